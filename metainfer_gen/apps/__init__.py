@@ -1,0 +1,1 @@
+"""Entry points: the ``metainfer-gen`` CLI, batch rendering and the Gradio demo."""

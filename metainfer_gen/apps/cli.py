@@ -1,0 +1,127 @@
+"""The ``metainfer-gen`` command line: one console script, one subcommand per job.
+
+    metainfer-gen render "a red circle moving right" -o clip.mp4
+    metainfer-gen render "the blue square moves up" --image first_frame.png -o clip.mp4
+    metainfer-gen render --prompts prompts.jsonl --out-dir clips/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from metainfer_gen import __version__
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
+    return value
+
+
+def _add_render_parser(subparsers) -> None:
+    p = subparsers.add_parser("render", help="render a clip from a prompt, or a batch from a prompt file",
+                              description="Render clips on the embedded default model or any diffusers video "
+                                          "pipeline folder / hub id.")
+    p.add_argument("prompt", nargs="?", default=None, help="text prompt (omit when using --prompts)")
+    p.add_argument("-o", "--output", default="clip.mp4", help="output file: .mp4, .gif, or a name without suffix "
+                                                               "for a folder of PNG frames (default: clip.mp4)")
+    p.add_argument("--prompts", default=None, help="prompt file (JSON lines or plain text) for batch rendering")
+    p.add_argument("--out-dir", default="clips", help="batch output folder with manifest.jsonl (default: clips)")
+    p.add_argument("--format", choices=("mp4", "gif", "png"), default="mp4", help="batch clip format (default mp4)")
+    p.add_argument("--image", default=None, help="reference image (first frame) for image-to-video")
+    p.add_argument("--model", default=None, help="diffusers pipeline folder or hub id (default: embedded model)")
+    p.add_argument("--negative-prompt", default=None, help="what to steer away from")
+    p.add_argument("--num-frames", type=int, default=None, help="frames to render (model default if omitted)")
+    p.add_argument("--height", type=int, default=None, help="height in pixels (model default if omitted)")
+    p.add_argument("--width", type=int, default=None, help="width in pixels (model default if omitted)")
+    p.add_argument("--steps", dest="num_inference_steps", type=_positive_int, default=None,
+                   help="num_inference_steps (model default if omitted)")
+    p.add_argument("--guidance-scale", type=float, default=None, help="classifier-free guidance (1 disables)")
+    p.add_argument("--seed", type=int, default=0, help="seed; in batches, line i without a seed uses seed+i")
+    p.add_argument("--fps", type=float, default=None, help="frames per second of the written clip")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="weights dtype (default float32 on CPU, bfloat16 on CUDA)")
+    p.set_defaults(func=cmd_render)
+
+
+def _call_args(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("negative_prompt", "num_frames", "height", "width", "num_inference_steps", "guidance_scale")
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
+def _pipeline_factory(args: argparse.Namespace) -> Callable[[str], Any]:
+    """task -> pipeline, loading the weights once and sharing them between tasks where the model allows."""
+    import torch
+
+    from metainfer_gen import pipelines
+
+    classes = {"text-to-video": pipelines.TextToVideoPipeline, "image-to-video": pipelines.ImageToVideoPipeline}
+    loaded: dict[str, Any] = {}
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+
+    def get(task: str):
+        if task not in loaded:
+            cls = classes[task]
+            other = next(iter(loaded.values()), None)
+            try:
+                loaded[task] = cls.from_pipe(other) if other is not None else None
+            except ValueError:
+                loaded[task] = None
+            if loaded[task] is None:
+                loaded[task] = cls.from_pretrained(args.model, torch_dtype=dtype, device=args.device)
+        return loaded[task]
+
+    return get
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from metainfer_gen.apps.render import RenderJob, parse_prompt_file, render_batch
+
+    if (args.prompt is None) == (args.prompts is None):
+        raise SystemExit("error: give either a PROMPT or --prompts FILE (exactly one)")
+    get_pipeline = _pipeline_factory(args)
+    if args.prompts:
+        jobs = parse_prompt_file(args.prompts, base_seed=args.seed, defaults=_call_args(args))
+        summary = render_batch(jobs, args.out_dir, get_pipeline, fmt=args.format, fps=args.fps)
+        print(json.dumps(summary.to_dict()))
+        return 0 if summary.failed == 0 else 1
+    if args.image is not None and not Path(args.image).exists():
+        raise SystemExit(f"error: --image {args.image} does not exist")
+    job = RenderJob(line=0, prompt=args.prompt, seed=args.seed, image=args.image, call=_call_args(args))
+    if job.image is None:
+        output = get_pipeline("text-to-video")(job.prompt, seed=job.seed, **job.call)
+    else:
+        output = get_pipeline("image-to-video")(job.image, job.prompt, seed=job.seed, **job.call)
+    path = output.save(args.output, fps=args.fps)
+    stats = output.stats
+    print(f"wrote {path} ({output.frames.shape[0]} frames, {output.frames.shape[2]}x{output.frames.shape[1]}) in "
+          f"{stats.seconds:.1f} s; {stats.transformer_calls} transformer calls")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="metainfer-gen", description="Fast video and LLM inference toolkit.")
+    parser.add_argument("--version", action="version", version=f"metainfer-gen {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_render_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Batch rendering from a prompt file, with a manifest, atomic clips and resume.
+
+The prompt file holds one job per line: a JSON object (``{"prompt": ..., "seed": 3, "num_frames": 17,
+"image": "ref.png", "name": "intro"}``) or plain text (the prompt). Blank lines and lines starting with ``#`` are
+skipped. Each job gets a stable id from its content, so rerunning the same command skips every clip already
+finished (file present and recorded in the manifest) and retries the rest; a bad line or a failing clip is
+recorded with its error and the batch goes on. ``manifest.jsonl`` holds one line per job, rewritten atomically
+after each job, in prompt-file order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+MANIFEST = "manifest.jsonl"
+FORMATS = ("mp4", "gif", "png")
+_CALL_KEYS = ("negative_prompt", "num_frames", "height", "width", "num_inference_steps", "guidance_scale")
+_LINE_KEYS = {"prompt", "seed", "image", "name", *_CALL_KEYS}
+
+
+@dataclass(slots=True)
+class RenderJob:
+    """One line of a prompt file, resolved.
+
+    Attributes:
+        line: 1-based line number in the prompt file. prompt: the text. seed: integer seed.
+        image: reference image path for image-to-video, else None. name: output stem.
+        call: call arguments given on the line (num_frames, height, ...); the rest come from the CLI/model.
+        error: why the line could not be parsed (the job is then recorded, never rendered).
+    """
+
+    line: int
+    prompt: str = ""
+    seed: int = 0
+    image: str | None = None
+    name: str = ""
+    call: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def job_id(self) -> str:
+        """Stable id from everything that determines the clip (not its file name or line number)."""
+        key = json.dumps([self.prompt, self.seed, self.image, sorted(self.call.items())], default=str)
+        return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def _slug(text: str, limit: int = 40) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:limit] or "clip"
+
+
+def parse_prompt_file(path: str | Path, base_seed: int = 0, defaults: dict[str, Any] | None = None) -> list[RenderJob]:
+    """Read a prompt file into jobs; bad lines become jobs with ``error`` set instead of raising.
+
+    Args:
+        base_seed: seed of a line without one is ``base_seed + its job index``.
+        defaults: call arguments that apply to every line unless the line sets them.
+    Raises:
+        FileNotFoundError: the prompt file does not exist.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    jobs: list[RenderJob] = []
+    for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        text = raw.strip()
+        if not text or text.startswith("#"):
+            continue
+        job = RenderJob(line=number, seed=base_seed + len(jobs), call=dict(defaults or {}))
+        jobs.append(job)
+        try:
+            entry = json.loads(text) if text.startswith("{") else {"prompt": text}
+            if not isinstance(entry, dict):
+                raise ValueError("a JSON line must be an object")
+            unknown = set(entry) - _LINE_KEYS
+            if unknown:
+                raise ValueError(f"unknown keys {sorted(unknown)}; allowed: {sorted(_LINE_KEYS)}")
+            if not isinstance(entry.get("prompt"), str) or not entry["prompt"].strip():
+                raise ValueError("missing or empty 'prompt'")
+            job.prompt = entry["prompt"]
+            if "seed" in entry:
+                if isinstance(entry["seed"], bool) or not isinstance(entry["seed"], int):
+                    raise ValueError(f"'seed' must be an integer; got {entry['seed']!r}")
+                job.seed = entry["seed"]
+            if entry.get("image") is not None:
+                image = Path(str(entry["image"])).expanduser()
+                job.image = str(image if image.is_absolute() else (path.parent / image))
+            job.call.update({k: entry[k] for k in _CALL_KEYS if k in entry})
+            job.name = _slug(str(entry.get("name") or job.prompt))
+        except (ValueError, TypeError) as exc:
+            job.error = f"line {number}: {exc}"
+    for index, job in enumerate(jobs):
+        job.name = f"{index:04d}-{job.name or 'invalid'}-{job.job_id}"
+    return jobs
+
+
+class Manifest:
+    """One JSON record per job in ``out_dir/manifest.jsonl``, rewritten atomically after every change."""
+
+    def __init__(self, out_dir: Path):
+        self.path = out_dir / MANIFEST
+        self.records: dict[str, dict[str, Any]] = {}
+        if self.path.exists():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                if line.strip():
+                    record = json.loads(line)
+                    self.records[record["job_id"]] = record
+
+    def finished(self, job: RenderJob, out_dir: Path) -> bool:
+        record = self.records.get(job.job_id)
+        return bool(record and record.get("status") == "ok" and (out_dir / record["path"]).exists())
+
+    def write(self, order: list[RenderJob], record: dict[str, Any]) -> None:
+        self.records[record["job_id"]] = record
+        ids = [job.job_id for job in order]
+        lines = [json.dumps(self.records[i]) for i in ids if i in self.records]
+        lines += [json.dumps(r) for i, r in self.records.items() if i not in ids]  # jobs of earlier prompt files
+        fd, tmp = tempfile.mkstemp(prefix=".manifest.", dir=self.path.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+
+@dataclass(slots=True)
+class BatchSummary:
+    """Counts of one batch run: rendered now, skipped (finished earlier), failed."""
+
+    rendered: int = 0
+    skipped: int = 0
+    failed: int = 0
+    manifest: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def render_batch(
+    jobs: list[RenderJob],
+    out_dir: str | Path,
+    get_pipeline: Callable[[str], Any],
+    fmt: str = "mp4",
+    fps: float | None = None,
+    progress: bool = True,
+) -> BatchSummary:
+    """Render every unfinished job; record each result in the manifest as soon as it is known.
+
+    Args:
+        get_pipeline: ``task -> pipeline`` ("text-to-video" or "image-to-video"), called lazily so a batch of
+            text prompts never builds an image-to-video pipeline.
+        fmt: "mp4", "gif" or "png" (a folder of frames per clip).
+    """
+    from tqdm.auto import tqdm
+
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}; got {fmt!r}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = Manifest(out_dir)
+    summary = BatchSummary(manifest=str(manifest.path))
+    suffix = "" if fmt == "png" else f".{fmt}"
+    for job in tqdm(jobs, desc="render", unit="clip", disable=not progress):
+        if manifest.finished(job, out_dir):
+            summary.skipped += 1
+            continue
+        record: dict[str, Any] = {"job_id": job.job_id, "line": job.line, "prompt": job.prompt, "seed": job.seed,
+                                  "image": job.image, "settings": job.call, "path": job.name + suffix}
+        started = time.perf_counter()
+        try:
+            if job.error:
+                raise ValueError(job.error)
+            if job.image is None:
+                output = get_pipeline("text-to-video")(job.prompt, seed=job.seed, **job.call)
+            else:
+                output = get_pipeline("image-to-video")(job.image, job.prompt, seed=job.seed, **job.call)
+            output.save(out_dir / record["path"], fps=fps)
+            record.update(status="ok", settings=output.settings, stats=output.stats.to_dict())
+            summary.rendered += 1
+        except Exception as exc:  # noqa: BLE001 - one failing clip must not stop the batch; the error is recorded
+            record.update(status="error", error=f"{type(exc).__name__}: {exc}")
+            summary.failed += 1
+        record["seconds"] = round(time.perf_counter() - started, 3)
+        manifest.write(jobs, record)
+    return summary

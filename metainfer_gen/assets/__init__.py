@@ -1,0 +1,1 @@
+"""Embedded default checkpoints (diffusers layout, safetensors)."""

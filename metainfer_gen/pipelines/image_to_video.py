@@ -1,0 +1,60 @@
+"""Reference-image-to-video: animate a given first frame as the prompt says."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from metainfer_gen.pipelines.loading import IMAGE_TO_VIDEO
+from metainfer_gen.pipelines.video_base import VideoPipelineBase
+from metainfer_gen.video.images import fit_image, load_image
+from metainfer_gen.video.output import VideoOutput
+
+
+class ImageToVideoPipeline(VideoPipelineBase):
+    """Render clips that start from a reference image.
+
+    Wraps a diffusers image-to-video pipeline (Wan 2.1 I2V with or without a CLIP image encoder, Wan 2.2
+    TI2V-style models, CogVideoX/LTX/Hunyuan I2V) or the embedded default. The image may be any PIL mode or size:
+    it is converted to RGB (alpha composited on white), centre-cropped to the output aspect ratio and resized.
+    Example::
+
+        i2v = pipelines.ImageToVideoPipeline.from_pretrained()
+        out = i2v("photo.png", "the red circle moves up", seed=0)
+    """
+
+    task = IMAGE_TO_VIDEO
+
+    def __call__(
+        self,
+        image: Any,
+        prompt: str,
+        *,
+        negative_prompt: str | None = None,
+        num_frames: int | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        seed: int | None = None,
+        generator=None,
+        **kwargs: Any,
+    ) -> VideoOutput:
+        """Generate one clip whose first frame is ``image``.
+
+        Args:
+            image: path, ``PIL.Image`` or uint8 array (H, W[, C]).
+            prompt: text describing the motion. Other arguments as in :class:`TextToVideoPipeline`.
+        Returns:
+            A :class:`VideoOutput`; ``settings["image_size"]`` is the (width, height) the image was fitted to.
+        Raises:
+            ValueError / TypeError / FileNotFoundError: bad arguments or image, before any computation.
+        """
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be one string for image-to-video; got {type(prompt).__name__}")
+        values = self.resolve(prompt=prompt, num_frames=num_frames, height=height, width=width,
+                              num_inference_steps=num_inference_steps, guidance_scale=guidance_scale)
+        picture = fit_image(load_image(image), values["height"], values["width"])
+        settings = {"task": self.task, "prompt": prompt, "negative_prompt": negative_prompt, "seed": seed,
+                    "image_size": list(picture.size), **values}
+        call = {"image": picture, "prompt": prompt, "negative_prompt": negative_prompt, **values, **kwargs}
+        return self._run(call, settings, seed, generator)[0]

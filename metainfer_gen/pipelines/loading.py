@@ -1,0 +1,128 @@
+"""Load diffusers video pipelines: the embedded default, a local directory or a hub id, for a given task.
+
+Any pipeline ``diffusers.DiffusionPipeline.from_pretrained`` can load works. A checkpoint saved for one task is
+converted to the other only where the same weights serve both (Wan 2.2 TI2V-style models with
+``expand_timesteps=True``, such as the embedded default); otherwise the error says which class to use.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+TEXT_TO_VIDEO = "text-to-video"
+IMAGE_TO_VIDEO = "image-to-video"
+DEFAULT_MODEL_DIR = "demo_wan"
+SETTINGS_FILE = "metainfer_gen.json"
+
+
+def default_model_path() -> Path:
+    """Folder of the embedded default model (a diffusers Wan pipeline) inside the installed package."""
+    path = Path(str(resources.files("metainfer_gen.assets"))) / DEFAULT_MODEL_DIR
+    if not (path / "model_index.json").exists():
+        raise FileNotFoundError(
+            f"the embedded default model is missing at {path}; reinstall metainfer-gen, or build it with "
+            "`python -m metainfer_gen.video.demo_model.build`"
+        )
+    return path
+
+
+def model_settings(path: str | Path | None) -> dict[str, Any]:
+    """Default call settings a model folder ships in ``metainfer_gen.json`` (empty when absent)."""
+    if path is None or not (Path(path) / SETTINGS_FILE).exists():
+        return {}
+    return json.loads((Path(path) / SETTINGS_FILE).read_text())
+
+
+def accepts_image(pipe) -> bool:
+    return "image" in inspect.signature(pipe.__call__).parameters
+
+
+def _wan_components(pipe) -> dict[str, Any]:
+    names = ("tokenizer", "text_encoder", "vae", "transformer", "scheduler", "transformer_2")
+    return {name: getattr(pipe, name, None) for name in names}
+
+
+def _wan_to_i2v(pipe):
+    from diffusers import WanImageToVideoPipeline
+
+    return WanImageToVideoPipeline(**_wan_components(pipe), image_encoder=None, image_processor=None,
+                                   boundary_ratio=pipe.config.get("boundary_ratio"), expand_timesteps=True)
+
+
+def _wan_to_t2v(pipe):
+    from diffusers import WanPipeline
+
+    return WanPipeline(**_wan_components(pipe), boundary_ratio=pipe.config.get("boundary_ratio"),
+                       expand_timesteps=True)
+
+
+def _shared_weights_wan(pipe) -> bool:
+    """True for Wan pipelines whose transformer takes text-only and image-conditioned input alike."""
+    transformer = getattr(pipe, "transformer", None)
+    return bool(pipe.config.get("expand_timesteps")) and transformer is not None and \
+        transformer.config.image_dim is None
+
+
+# (source class name, wanted task) -> converter, for checkpoints whose weights serve both tasks.
+_CONVERTERS = {
+    ("WanPipeline", IMAGE_TO_VIDEO): _wan_to_i2v,
+    ("WanImageToVideoPipeline", TEXT_TO_VIDEO): _wan_to_t2v,
+}
+
+
+def for_task(pipe, task: str):
+    """Return ``pipe`` or a view of its components that performs ``task``.
+
+    Raises:
+        ValueError: the checkpoint cannot do ``task``.
+    """
+    if (task == IMAGE_TO_VIDEO) == accepts_image(pipe):
+        return pipe
+    convert = _CONVERTERS.get((type(pipe).__name__, task))
+    if convert is not None and _shared_weights_wan(pipe):
+        return convert(pipe)
+    other = "ImageToVideoPipeline" if task == TEXT_TO_VIDEO else "TextToVideoPipeline"
+    raise ValueError(
+        f"{type(pipe).__name__} is not a {task} checkpoint; load it with pipelines.{other}, or pass a {task} "
+        "checkpoint directory or hub id"
+    )
+
+
+def load_diffusers_pipeline(path: str | Path | None, task: str, torch_dtype=None, device: str | None = None,
+                            **kwargs):
+    """Load and place a pipeline for ``task``.
+
+    Args:
+        path: None for the embedded default, else a local directory or hub id.
+        torch_dtype: e.g. ``torch.bfloat16``; default float32 on CPU, bfloat16 on CUDA.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default CUDA when available.
+        kwargs: passed to ``DiffusionPipeline.from_pretrained``.
+    Returns:
+        (diffusers pipeline, resolved local path or hub id, settings dict).
+    Raises:
+        FileNotFoundError: ``path`` is a missing local path. ValueError: the checkpoint cannot do ``task``.
+    """
+    import torch
+    from diffusers import DiffusionPipeline
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch_dtype is None:
+        torch_dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    source = default_model_path() if path is None else path
+    local = Path(source).expanduser()
+    if local.exists():
+        if not (local / "model_index.json").exists():
+            raise FileNotFoundError(f"{local} holds no model_index.json: it is not a diffusers pipeline folder")
+        source = local
+    elif str(source).startswith((".", "/", "~")) or Path(str(source)).suffix:
+        raise FileNotFoundError(f"model path {source} does not exist")
+    pipe = DiffusionPipeline.from_pretrained(str(source), dtype=torch_dtype, **kwargs)
+    pipe = for_task(pipe, task)
+    pipe.to(device)
+    settings = model_settings(source if Path(str(source)).exists() else None)
+    return pipe, source, settings

@@ -1,0 +1,61 @@
+"""Text-to-video: ``TextToVideoPipeline.from_pretrained()(prompt)`` on any diffusers video pipeline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from metainfer_gen.pipelines.loading import TEXT_TO_VIDEO
+from metainfer_gen.pipelines.video_base import VideoPipelineBase
+from metainfer_gen.video.output import VideoOutput
+
+
+class TextToVideoPipeline(VideoPipelineBase):
+    """Render clips from text prompts.
+
+    Wraps a diffusers text-to-video pipeline (Wan 2.1/2.2, HunyuanVideo, CogVideoX, LTX-Video, or the embedded
+    default Wan model). Example::
+
+        from metainfer_gen import pipelines
+        pipe = pipelines.TextToVideoPipeline.from_pretrained()
+        out = pipe("a red circle moving right", seed=0)
+        out.frames.shape  # (17, 64, 64, 3) uint8
+        out.save("clip.mp4")
+    """
+
+    task = TEXT_TO_VIDEO
+
+    def __call__(
+        self,
+        prompt: str | list[str],
+        *,
+        negative_prompt: str | list[str] | None = None,
+        num_frames: int | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        seed: int | None = None,
+        generator=None,
+        **kwargs: Any,
+    ) -> VideoOutput | list[VideoOutput]:
+        """Generate one clip per prompt.
+
+        Args:
+            prompt: text, or a list for a batch.
+            negative_prompt: what to steer away from (used when ``guidance_scale > 1``).
+            num_frames: frames to render; must fit the family's rule (``k*4+1`` for Wan).
+            height, width: pixels; multiples of the family's spatial grid (16 for Wan).
+            num_inference_steps: denoising steps. guidance_scale: classifier-free guidance weight (1 disables).
+            seed: integer seed (a CPU ``torch.Generator``); or pass ``generator`` directly.
+            kwargs: forwarded to the diffusers pipeline (e.g. ``max_sequence_length``).
+        Returns:
+            A :class:`VideoOutput` for a string prompt, a list of them for a list.
+        Raises:
+            ValueError / TypeError: invalid arguments, before any computation.
+        """
+        values = self.resolve(prompt=prompt, num_frames=num_frames, height=height, width=width,
+                              num_inference_steps=num_inference_steps, guidance_scale=guidance_scale)
+        settings = {"task": self.task, "prompt": prompt, "negative_prompt": negative_prompt, "seed": seed, **values}
+        outputs = self._run({"prompt": prompt, "negative_prompt": negative_prompt, **values, **kwargs},
+                            settings, seed, generator)
+        return outputs[0] if isinstance(prompt, str) else outputs

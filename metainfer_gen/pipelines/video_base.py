@@ -1,0 +1,105 @@
+"""Shared machinery of the user-facing video pipelines: loading, defaults, validation, seeding and stats.
+
+The objects wrap a diffusers pipeline (composition: ``pipe.diffusers_pipeline``) and add what users asked for:
+input errors before any work, a seed argument, uint8 frames, per-call stats and a ``save`` that writes
+browser-playable MP4. Accelerators (step cache, LoRA, fused kernels) attach to the wrapped model from outside.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from metainfer_gen.pipelines.loading import load_diffusers_pipeline
+from metainfer_gen.video.output import VideoOutput, measure, to_uint8_frames
+from metainfer_gen.video.rules import VideoRules
+
+# Call arguments with a default from the model's settings file or, failing that, from the diffusers signature.
+_SHAPE_ARGS = ("num_frames", "height", "width", "num_inference_steps", "guidance_scale")
+
+
+class VideoPipelineBase:
+    """Base of :class:`TextToVideoPipeline` and :class:`ImageToVideoPipeline`; not used directly."""
+
+    task: str = ""
+
+    def __init__(self, pipe, settings: dict[str, Any] | None = None, source: Any = None):
+        self.diffusers_pipeline = pipe
+        self.settings = dict(settings or {})
+        self.source = source
+        self.rules = VideoRules.from_pipeline(pipe)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path=None, *, torch_dtype=None, device: str | None = None,
+                        **kwargs):
+        """Load the embedded default model (no argument), a local pipeline folder or a hub id.
+
+        Args:
+            pretrained_model_name_or_path: None, a directory saved by ``save_pretrained``, or a hub id.
+            torch_dtype: weights dtype; default float32 on CPU, bfloat16 on CUDA.
+            device: where to run; default CUDA when available, else CPU.
+            kwargs: forwarded to ``diffusers.DiffusionPipeline.from_pretrained`` (e.g. ``variant``).
+        Raises:
+            FileNotFoundError: a local path that does not exist or holds no pipeline.
+            ValueError: the checkpoint cannot perform this pipeline's task.
+        """
+        pipe, source, settings = load_diffusers_pipeline(
+            pretrained_model_name_or_path, cls.task, torch_dtype=torch_dtype, device=device, **kwargs
+        )
+        return cls(pipe, settings=settings, source=source)
+
+    @classmethod
+    def from_pipe(cls, other: "VideoPipelineBase"):
+        """This task on the already-loaded weights of ``other`` (no reload), where the checkpoint allows it.
+
+        Raises:
+            ValueError: the checkpoint cannot perform this task.
+        """
+        from metainfer_gen.pipelines.loading import for_task
+
+        return cls(for_task(other.diffusers_pipeline, cls.task), settings=other.settings, source=other.source)
+
+    @property
+    def device(self) -> str:
+        return str(self.diffusers_pipeline.device)
+
+    @property
+    def transformers(self) -> list:
+        """The denoising model(s): one, or two for Wan 2.2's high/low-noise experts."""
+        pipe = self.diffusers_pipeline
+        return [m for m in (getattr(pipe, "transformer", None), getattr(pipe, "transformer_2", None)) if m is not None]
+
+    def default(self, name: str) -> Any:
+        """Default of call argument ``name``: the model's settings file first, then the diffusers signature."""
+        if name in self.settings:
+            return self.settings[name]
+        parameter = inspect.signature(self.diffusers_pipeline.__call__).parameters.get(name)
+        return None if parameter is None else parameter.default
+
+    def resolve(self, **given: Any) -> dict[str, Any]:
+        """Fill unset shape/step arguments with defaults and validate everything before any work."""
+        values = {name: given.get(name) if given.get(name) is not None else self.default(name) for name in _SHAPE_ARGS}
+        self.rules.check(prompt=given.get("prompt"), **values)
+        return values
+
+    def set_progress_bar_config(self, **kwargs) -> None:
+        """Forwarded to diffusers (e.g. ``disable=True`` to silence the per-step bar)."""
+        self.diffusers_pipeline.set_progress_bar_config(**kwargs)
+
+    def _run(self, call_kwargs: dict[str, Any], settings: dict[str, Any], seed: int | None, generator=None):
+        import torch
+
+        if generator is None and seed is not None:
+            if isinstance(seed, bool) or not isinstance(seed, int):
+                raise TypeError(f"seed must be an int; got {seed!r}")
+            generator = torch.Generator(device="cpu").manual_seed(seed)
+        with measure(self.transformers, self.device) as stats, torch.inference_mode():
+            result = self.diffusers_pipeline(**call_kwargs, generator=generator, output_type="np")
+        stats.num_inference_steps = call_kwargs["num_inference_steps"]
+        videos = result.frames
+        fps = float(self.settings.get("fps", 8.0))
+        outputs = [VideoOutput(to_uint8_frames(v), stats, dict(settings), fps=fps) for v in videos]
+        return outputs
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({type(self.diffusers_pipeline).__name__} from {self.source}, {self.rules})"

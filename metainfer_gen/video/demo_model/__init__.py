@@ -1,0 +1,1 @@
+"""The embedded default model: procedural data, reproducible training and adherence evaluation."""

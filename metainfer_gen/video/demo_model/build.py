@@ -1,0 +1,57 @@
+"""Copy the trained pipeline into the package as the embedded default model, with its call defaults.
+
+Run after ``train_transformer``::
+
+    python -m metainfer_gen.video.demo_model.build --pipeline-dir build/demo_model/pipeline
+
+Writes ``metainfer_gen/assets/demo_wan/`` (diffusers layout, safetensors) and ``metainfer_gen.json`` beside
+``model_index.json``: the default ``num_frames``, size, steps, guidance and fps that the pipelines, CLI and demo
+use when the caller gives none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from metainfer_gen.video.demo_model import configs
+
+DEFAULT_SETTINGS = {
+    "num_frames": configs.NUM_FRAMES,
+    "height": configs.SIZE,
+    "width": configs.SIZE,
+    "num_inference_steps": 20,
+    "guidance_scale": 4.0,
+    "fps": 8.0,
+}
+MAX_BYTES = 30 * 2**20
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pipeline-dir", default="build/demo_model/pipeline", help="output of train_transformer")
+    parser.add_argument("--num-inference-steps", type=int, default=DEFAULT_SETTINGS["num_inference_steps"],
+                        help="default steps written to the settings file")
+    parser.add_argument("--guidance-scale", type=float, default=DEFAULT_SETTINGS["guidance_scale"],
+                        help="default guidance written to the settings file")
+    args = parser.parse_args(argv)
+
+    from metainfer_gen.pipelines.loading import DEFAULT_MODEL_DIR, SETTINGS_FILE
+
+    target = Path(__file__).resolve().parents[2] / "assets" / DEFAULT_MODEL_DIR
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(args.pipeline_dir, target)
+    settings = dict(DEFAULT_SETTINGS, num_inference_steps=args.num_inference_steps,
+                    guidance_scale=args.guidance_scale)
+    (target / SETTINGS_FILE).write_text(json.dumps(settings, indent=1) + "\n")
+    size = sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
+    if size > MAX_BYTES:
+        raise SystemExit(f"embedded model is {size / 2**20:.1f} MiB; the budget is {MAX_BYTES / 2**20:.0f} MiB")
+    print(f"wrote {target} ({size / 2**20:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Encode a fixed, seeded set of procedural clips to VAE latents once, for transformer training.
+
+Shards of 64 clips are written atomically to ``work_dir/shards``; rerunning skips finished shards. Also measures
+the per-channel latent mean and std that diffusers Wan pipelines read from the VAE config
+(``latents_mean`` / ``latents_std``) to normalise latents for the transformer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from metainfer_gen.video.demo_model import configs
+from metainfer_gen.video.demo_model.data import TEMPLATES, sample_batch, training_combinations
+
+SHARD_SIZE = 64
+
+
+@torch.no_grad()
+def encode_shards(vae, work_dir: str | Path, num_clips: int, seed: int = 1) -> list[Path]:
+    """Write ``ceil(num_clips / 64)`` shards, each a dict: latents (N, z, F', h, w) float32 (raw, not normalised),
+    combo (N,) index into :func:`training_combinations`, template (N,) index into ``TEMPLATES``."""
+    shard_dir = Path(work_dir) / "shards"
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    combos = training_combinations()
+    paths = []
+    for index in range((num_clips + SHARD_SIZE - 1) // SHARD_SIZE):
+        path = shard_dir / f"shard_{index:04d}.pt"
+        paths.append(path)
+        if path.exists():
+            continue
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+        videos, _, specs = sample_batch(SHARD_SIZE, configs.NUM_FRAMES, configs.SIZE, generator, combos=combos)
+        latents = torch.cat([vae.encode(videos[i:i + 8]).latent_dist.mode() for i in range(0, SHARD_SIZE, 8)])
+        shard = {
+            "latents": latents,
+            "combo": torch.tensor([combos.index((s.colour, s.shape, s.direction)) for s in specs]),
+            "template": torch.randint(len(TEMPLATES), (SHARD_SIZE,), generator=generator),
+        }
+        torch.save(shard, str(path) + ".tmp")
+        os.replace(str(path) + ".tmp", path)
+        print(f"encoded {path.name}", flush=True)
+    return paths
+
+
+def load_shards(paths: list[Path]) -> dict[str, torch.Tensor]:
+    shards = [torch.load(p, map_location="cpu") for p in paths]
+    return {key: torch.cat([s[key] for s in shards]) for key in shards[0]}
+
+
+def latent_statistics(latents: torch.Tensor, work_dir: str | Path) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std of raw latents (N, z, F', h, w); also written to ``latent_stats.json``."""
+    mean = latents.mean(dim=(0, 2, 3, 4))
+    std = latents.std(dim=(0, 2, 3, 4))
+    stats = {"latents_mean": [round(v, 5) for v in mean.tolist()], "latents_std": [round(v, 5) for v in std.tolist()]}
+    (Path(work_dir) / "latent_stats.json").write_text(json.dumps(stats, indent=1))
+    return stats["latents_mean"], stats["latents_std"]

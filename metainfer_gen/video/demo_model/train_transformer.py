@@ -1,0 +1,117 @@
+"""Train the demo model's Wan transformer with flow matching, then assemble the full diffusers pipeline.
+
+Run after ``train_vae`` (resumable; rerun the same command after a stop)::
+
+    OMP_NUM_THREADS=2 python -m metainfer_gen.video.demo_model.train_transformer \
+        --vae-dir build/demo_model/vae/final --work-dir build/demo_model/transformer
+
+Objective: rectified flow as in Wan 2.1 (Esser et al. 2024, "Scaling Rectified Flow Transformers"):
+``x_s = (1 - s) x_0 + s * noise``, the model predicts ``noise - x_0`` at timestep ``1000 s``, with ``s`` drawn
+uniformly and then shifted (shift 3, the scheduler's inference shift). Half of the clips are image-conditioned
+as in Wan 2.2 TI2V: the first latent frame is the clean latent of the first video frame, its tokens get
+timestep 0 and it is left out of the loss. One prompt in ten is dropped to "" for classifier-free guidance.
+An exponential moving average of the weights (decay 0.999) is what ships.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from pathlib import Path
+
+import torch
+
+from metainfer_gen.video.demo_model import components, configs
+from metainfer_gen.video.demo_model.checkpointing import ResumableRun
+from metainfer_gen.video.demo_model.data import TEMPLATES, training_combinations
+from metainfer_gen.video.demo_model.latents import encode_shards, latent_statistics, load_shards
+
+
+@torch.no_grad()
+def prompt_table(pipe) -> tuple[torch.Tensor, list[str]]:
+    """Embeddings (P + 1, 512, text_dim) of every training prompt (combo-major, template-minor), then ""."""
+    prompts = [t.format(colour=c, shape=s, direction=d) for c, s, d in training_combinations() for t in TEMPLATES]
+    prompts.append("")
+    embeds, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=512,
+                                   device=torch.device("cpu"))
+    return embeds, prompts
+
+
+def shifted_sigmas(batch: int, shift: float, generator: torch.Generator) -> torch.Tensor:
+    u = torch.rand(batch, generator=generator)
+    return shift * u / (1 + (shift - 1) * u)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vae-dir", default="build/demo_model/vae/final", help="trained VAE (save_pretrained dir)")
+    parser.add_argument("--work-dir", default="build/demo_model/transformer", help="checkpoint and log folder")
+    parser.add_argument("--out-dir", default="build/demo_model/pipeline", help="where the assembled pipeline goes")
+    parser.add_argument("--num-clips", type=int, default=3072, help="procedural clips encoded for training")
+    parser.add_argument("--steps", type=int, default=3000, help="total optimiser steps")
+    parser.add_argument("--batch-size", type=int, default=16, help="clips per step")
+    parser.add_argument("--lr", type=float, default=5e-4, help="peak AdamW learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights and batches")
+    args = parser.parse_args(argv)
+
+    from diffusers import AutoencoderKLWan
+
+    work_dir = Path(args.work_dir)
+    vae = AutoencoderKLWan.from_pretrained(args.vae_dir).eval().requires_grad_(False)
+    data = load_shards(encode_shards(vae, work_dir, args.num_clips))
+    mean, std = latent_statistics(data["latents"], work_dir)
+    vae.register_to_config(latents_mean=mean, latents_std=std)
+    latents = (data["latents"] - torch.tensor(mean).view(1, -1, 1, 1, 1)) / torch.tensor(std).view(1, -1, 1, 1, 1)
+    prompt_index = data["combo"] * len(TEMPLATES) + data["template"]
+
+    transformer = components.build_transformer(args.seed)
+    pipe = components.assemble_pipeline(vae, transformer)
+    embeds, prompts = prompt_table(pipe)
+    ema = copy.deepcopy(transformer).requires_grad_(False)
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.99))
+    run = ResumableRun(work_dir, transformer, optimizer)
+    ema_path = work_dir / "ema.pt"
+    if ema_path.exists():
+        ema.load_state_dict(torch.load(ema_path, map_location="cpu"))
+    transformer.train()
+    _, _, num_lat_frames, height, width = latents.shape
+    tokens_per_frame = (height // 2) * (width // 2)
+    while run.step < args.steps:
+        run.set_learning_rate(args.lr, args.steps, warmup_steps=200)
+        generator = run.generator(args.seed)
+        index = torch.randint(len(latents), (args.batch_size,), generator=generator)
+        x0 = latents[index]
+        text = prompt_index[index].clone()
+        text[torch.rand(args.batch_size, generator=generator) < 0.1] = len(prompts) - 1
+        sigma = shifted_sigmas(args.batch_size, configs.SCHEDULER_CONFIG["shift"], generator)
+        noise = torch.randn(x0.shape, generator=generator)
+        xt = (1 - sigma.view(-1, 1, 1, 1, 1)) * x0 + sigma.view(-1, 1, 1, 1, 1) * noise
+        conditioned = torch.rand(args.batch_size, generator=generator) < 0.5
+        frame_weight = torch.ones(args.batch_size, 1, num_lat_frames, 1, 1)
+        frame_weight[conditioned, :, 0] = 0.0
+        xt = frame_weight * xt + (1 - frame_weight) * x0
+        timestep = (frame_weight[:, 0, :, 0, 0].repeat_interleave(tokens_per_frame, dim=1)) * sigma.view(-1, 1) * 1000
+        pred = transformer(xt, timestep, embeds[text], return_dict=False)[0]
+        loss = ((pred - (noise - x0)).square() * frame_weight).sum() / (frame_weight.sum() * pred[0, :, 0].numel())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        optimizer.step()
+        with torch.no_grad():
+            beta = min(0.999, (1 + run.step) / (10 + run.step))
+            for e, p in zip(ema.parameters(), transformer.parameters()):
+                e.lerp_(p, 1 - beta)
+        run.step += 1
+        if run.step % 25 == 0:
+            run.log(loss=round(loss.item(), 5), lr=round(optimizer.param_groups[0]["lr"], 7))
+        if run.step % 200 == 0 or run.step == args.steps:
+            torch.save(ema.state_dict(), str(ema_path) + ".tmp")
+            Path(str(ema_path) + ".tmp").replace(ema_path)
+            run.maybe_save(force=True)
+    final = components.assemble_pipeline(vae, ema.eval(), text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer)
+    components.save_pipeline(final, args.out_dir)
+    print(f"saved {args.out_dir}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

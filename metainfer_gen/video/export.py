@@ -1,0 +1,108 @@
+"""Write clips to MP4 (H.264, yuv420p, faststart), GIF or a folder of PNG frames through imageio, atomically.
+
+A clip appears under its final name complete or not at all: every writer writes to a temporary sibling and
+renames it into place (``os.replace`` is atomic on one file system), so a crash mid-write never leaves a
+truncated file that a resumed batch render would take for a finished one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+VIDEO_SUFFIXES = (".mp4", ".gif")
+
+
+def check_frames(frames: np.ndarray) -> np.ndarray:
+    """Validate a clip: uint8 array of shape (F, H, W, 3) with F >= 1.
+
+    Raises:
+        TypeError: not a uint8 numpy array. ValueError: wrong rank, channel count or no frames.
+    """
+    if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8:
+        raise TypeError(f"frames must be a uint8 numpy array (F, H, W, 3); got {type(frames).__name__} "
+                        f"{getattr(frames, 'dtype', '')}")
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
+        raise ValueError(f"frames must have shape (F, H, W, 3) with F >= 1; got {frames.shape}")
+    return frames
+
+
+def _pad_even(frames: np.ndarray) -> np.ndarray:
+    """yuv420p subsamples chroma 2x2, so H.264 needs even sizes: pad odd ones by repeating the last row/column."""
+    pad_h, pad_w = frames.shape[1] % 2, frames.shape[2] % 2
+    if pad_h or pad_w:
+        frames = np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
+    return frames
+
+
+def save_video(frames: np.ndarray, path: str | os.PathLike, fps: float = 8.0) -> Path:
+    """Save a clip; the format follows the suffix.
+
+    Args:
+        frames: uint8 (F, H, W, 3).
+        path: ``*.mp4`` (H.264 yuv420p with the moov atom first, playable in browsers), ``*.gif`` (loops), or a
+            path without a suffix, which becomes a folder of ``frame_00000.png``... files.
+        fps: frames per second, > 0.
+    Returns:
+        The path written.
+    Raises:
+        ValueError: unknown suffix, fps <= 0, or bad frames (see :func:`check_frames`).
+    """
+    import imageio.v2 as imageio
+
+    frames = check_frames(frames)
+    if fps <= 0:
+        raise ValueError(f"fps must be > 0; got {fps}")
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix and suffix not in VIDEO_SUFFIXES:
+        raise ValueError(f"unsupported output {path.name!r}: use .mp4, .gif, or a name without suffix for PNG frames")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not suffix:
+        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        try:
+            for i, frame in enumerate(frames):
+                imageio.imwrite(tmp_dir / f"frame_{i:05d}.png", frame)
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp_dir, path)
+        finally:
+            # A failed write must not leave a hidden half-written frame folder behind.
+            if tmp_dir.exists():
+                shutil.rmtree(tmp_dir)
+        return path
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        if suffix == ".mp4":
+            writer = imageio.get_writer(
+                tmp_name, format="FFMPEG", fps=fps, codec="libx264", pixelformat="yuv420p", macro_block_size=1,
+                ffmpeg_params=["-movflags", "+faststart", "-crf", "18"], ffmpeg_log_level="error",
+            )
+            with writer:
+                for frame in _pad_even(frames):
+                    writer.append_data(frame)
+        else:
+            imageio.mimsave(tmp_name, list(frames), format="GIF", duration=1000.0 / fps, loop=0)
+        os.replace(tmp_name, path)
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+    return path
+
+
+def read_video(path: str | os.PathLike) -> np.ndarray:
+    """Read a clip written by :func:`save_video` back as uint8 (F, H, W, 3)."""
+    import imageio.v2 as imageio
+
+    path = Path(path)
+    if path.is_dir():
+        return np.stack([imageio.imread(p)[..., :3] for p in sorted(path.glob("frame_*.png"))])
+    if path.suffix.lower() == ".gif":
+        return np.stack([f[..., :3] for f in imageio.mimread(path)])
+    with imageio.get_reader(path, format="FFMPEG") as reader:
+        return np.stack([frame for frame in reader])

@@ -1,0 +1,112 @@
+"""Shared fixtures: tiny random-weight diffusers Wan pipelines saved to disk, built once per test session.
+
+The pipelines are standard diffusers objects built from configs (no network, no downloads) with the word-level
+tokenizer and UMT5 encoder of the embedded demo model, small enough that a 2-step, 9-frame, 32x32 call takes a
+fraction of a second on one CPU thread. Weights are seeded, so every session builds the same models.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+Z_DIM = 4  # latent channels of the tiny VAE
+
+
+def _tiny_vae():
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    return AutoencoderKLWan(
+        base_dim=8,
+        z_dim=Z_DIM,
+        dim_mult=[1, 2, 4],  # two spatial downsamples: 4x
+        num_res_blocks=1,
+        temperal_downsample=[True, True],  # 4x temporal: num_frames = 4k + 1
+        latents_mean=[0.0] * Z_DIM,
+        latents_std=[1.0] * Z_DIM,
+        scale_factor_spatial=4,
+        scale_factor_temporal=4,
+    ).eval()
+
+
+def _tiny_transformer(in_channels: int, text_dim: int):
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(1)
+    # rope_max_seq_len keeps diffusers' default (1024) so that size errors in the tests come from the grid rule,
+    # not from the position table.
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=in_channels,
+        out_channels=Z_DIM,
+        text_dim=text_dim,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        image_dim=None,
+    ).eval()
+
+
+def _text_parts():
+    from metainfer_gen.video.demo_model.components import build_text_encoder, build_tokenizer
+
+    encoder = build_text_encoder(seed=2)
+    return build_tokenizer(), encoder, encoder.config.d_model
+
+
+def _scheduler():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(shift=3.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_dir(tmp_path_factory) -> Path:
+    """A saved ``diffusers.WanPipeline``, Wan 2.2 TI2V-style (``expand_timesteps=True``): T2V and I2V weights."""
+    from diffusers import WanPipeline
+
+    tokenizer, text_encoder, text_dim = _text_parts()
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=_tiny_vae(),
+        transformer=_tiny_transformer(Z_DIM, text_dim),
+        scheduler=_scheduler(),
+        expand_timesteps=True,
+    )
+    path = tmp_path_factory.mktemp("tiny_wan")
+    pipe.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_i2v_dir(tmp_path_factory) -> Path:
+    """A saved Wan 2.1-style ``diffusers.WanImageToVideoPipeline`` without a CLIP image encoder.
+
+    The transformer reads the noisy latents concatenated with the 4-channel first-frame mask and the image
+    latents (``in_channels = 2 * z_dim + 4``); this checkpoint cannot do text-to-video.
+    """
+    from diffusers import WanImageToVideoPipeline
+
+    tokenizer, text_encoder, text_dim = _text_parts()
+    pipe = WanImageToVideoPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=_tiny_vae(),
+        transformer=_tiny_transformer(2 * Z_DIM + 4, text_dim),
+        scheduler=_scheduler(),
+        image_encoder=None,
+        image_processor=None,
+        expand_timesteps=False,
+    )
+    path = tmp_path_factory.mktemp("tiny_wan_i2v")
+    pipe.save_pretrained(str(path))
+    return path
