@@ -69,12 +69,15 @@ def _pipeline_factory(args: argparse.Namespace) -> Callable[[str], Any]:
         if task not in loaded:
             cls = classes[task]
             other = next(iter(loaded.values()), None)
-            try:
-                loaded[task] = cls.from_pipe(other) if other is not None else None
-            except ValueError:
-                loaded[task] = None
-            if loaded[task] is None:
-                loaded[task] = cls.from_pretrained(args.model, torch_dtype=dtype, device=args.device)
+            pipe = None
+            if other is not None:
+                try:
+                    pipe = cls.from_pipe(other)
+                except ValueError:
+                    pipe = None
+            # Cached only once loaded: a failed load is retried (and reports its own error) for the next clip.
+            loaded[task] = pipe if pipe is not None else cls.from_pretrained(args.model, torch_dtype=dtype,
+                                                                             device=args.device)
         return loaded[task]
 
     return get
@@ -82,9 +85,10 @@ def _pipeline_factory(args: argparse.Namespace) -> Callable[[str], Any]:
 
 def cmd_render(args: argparse.Namespace) -> int:
     from metainfer_gen.apps.render import RenderJob, parse_prompt_file, render_batch
+    from metainfer_gen.video.export import check_output_path
 
     if (args.prompt is None) == (args.prompts is None):
-        raise SystemExit("error: give either a PROMPT or --prompts FILE (exactly one)")
+        raise ValueError("give either a PROMPT or --prompts FILE (exactly one)")
     get_pipeline = _pipeline_factory(args)
     if args.prompts:
         jobs = parse_prompt_file(args.prompts, base_seed=args.seed, defaults=_call_args(args))
@@ -92,7 +96,8 @@ def cmd_render(args: argparse.Namespace) -> int:
         print(json.dumps(summary.to_dict()))
         return 0 if summary.failed == 0 else 1
     if args.image is not None and not Path(args.image).exists():
-        raise SystemExit(f"error: --image {args.image} does not exist")
+        raise FileNotFoundError(f"--image {args.image} does not exist")
+    check_output_path(args.output)
     job = RenderJob(line=0, prompt=args.prompt, seed=args.seed, image=args.image, call=_call_args(args))
     if job.image is None:
         output = get_pipeline("text-to-video")(job.prompt, seed=job.seed, **job.call)

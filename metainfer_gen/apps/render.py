@@ -20,7 +20,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from metainfer_gen.video.export import umask_mode
+
 MANIFEST = "manifest.jsonl"
+TMP_MANIFEST_PREFIX = ".manifest."
 FORMATS = ("mp4", "gif", "png")
 _CALL_KEYS = ("negative_prompt", "num_frames", "height", "width", "num_inference_steps", "guidance_scale")
 _LINE_KEYS = {"prompt", "seed", "image", "name", *_CALL_KEYS}
@@ -47,8 +50,11 @@ class RenderJob:
 
     @property
     def job_id(self) -> str:
-        """Stable id from everything that determines the clip (not its file name or line number)."""
-        key = json.dumps([self.prompt, self.seed, self.image, sorted(self.call.items())], default=str)
+        """Stable id from everything that determines the clip, not its file name or line (a bad line: its error)."""
+        parts: list[Any] = [self.prompt, self.seed, self.image, sorted(self.call.items())]
+        if self.error is not None:
+            parts.append(self.error)  # bad lines keep apart: most have no prompt, so little else differs
+        key = json.dumps(parts, default=str)
         return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
@@ -76,7 +82,8 @@ def parse_prompt_file(path: str | Path, base_seed: int = 0, defaults: dict[str, 
         job = RenderJob(line=number, seed=base_seed + len(jobs), call=dict(defaults or {}))
         jobs.append(job)
         try:
-            entry = json.loads(text) if text.startswith("{") else {"prompt": text}
+            # "[" too: a JSON array is a malformed line, not a prompt that happens to start with a bracket.
+            entry = json.loads(text) if text.startswith(("{", "[")) else {"prompt": text}
             if not isinstance(entry, dict):
                 raise ValueError("a JSON line must be an object")
             unknown = set(entry) - _LINE_KEYS
@@ -91,7 +98,8 @@ def parse_prompt_file(path: str | Path, base_seed: int = 0, defaults: dict[str, 
                 job.seed = entry["seed"]
             if entry.get("image") is not None:
                 image = Path(str(entry["image"])).expanduser()
-                job.image = str(image if image.is_absolute() else (path.parent / image))
+                # Absolute, so the job id does not depend on the working directory or how the file was named.
+                job.image = str(image if image.is_absolute() else (path.resolve().parent / image))
             job.call.update({k: entry[k] for k in _CALL_KEYS if k in entry})
             job.name = _slug(str(entry.get("name") or job.prompt))
         except (ValueError, TypeError) as exc:
@@ -99,6 +107,24 @@ def parse_prompt_file(path: str | Path, base_seed: int = 0, defaults: dict[str, 
     for index, job in enumerate(jobs):
         job.name = f"{index:04d}-{job.name or 'invalid'}-{job.job_id}"
     return jobs
+
+
+def _remove_stale_temporaries(out_dir: Path, jobs: list[RenderJob]) -> None:
+    """Delete what a killed run left half-written: hidden temporaries of the manifest and of this batch's clips.
+
+    Writers create ``.<name>.<random>`` siblings and rename them into place (see ``video.export``); a run killed
+    mid-write leaves one behind. Only names derived from this batch's jobs are touched.
+    """
+    import shutil
+
+    prefixes = (TMP_MANIFEST_PREFIX, *(f".{job.name}." for job in jobs))
+    for entry in out_dir.iterdir():
+        if not entry.name.startswith(prefixes):
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 class Manifest:
@@ -113,16 +139,24 @@ class Manifest:
                     record = json.loads(line)
                     self.records[record["job_id"]] = record
 
-    def finished(self, job: RenderJob, out_dir: Path) -> bool:
+    def finished(self, job: RenderJob, out_dir: Path, suffix: str) -> bool:
+        """True when the job's clip was recorded ok in the format asked now and is still on disk."""
         record = self.records.get(job.job_id)
-        return bool(record and record.get("status") == "ok" and (out_dir / record["path"]).exists())
+        if not record or record.get("status") != "ok" or Path(record["path"]).suffix != suffix:
+            return False
+        clip = out_dir / record["path"]
+        return clip.is_file() if suffix else clip.is_dir()
 
-    def write(self, order: list[RenderJob], record: dict[str, Any]) -> None:
-        self.records[record["job_id"]] = record
+    def write(self, order: list[RenderJob], record: dict[str, Any] | None = None) -> None:
+        """Store ``record`` (if given) and rewrite the file with the jobs of ``order`` first, in that order."""
+        if record is not None:
+            self.records[record["job_id"]] = record
         ids = [job.job_id for job in order]
         lines = [json.dumps(self.records[i]) for i in ids if i in self.records]
-        lines += [json.dumps(r) for i, r in self.records.items() if i not in ids]  # jobs of earlier prompt files
-        fd, tmp = tempfile.mkstemp(prefix=".manifest.", dir=self.path.parent)
+        current = set(ids)
+        lines += [json.dumps(r) for i, r in self.records.items() if i not in current]  # earlier prompt files
+        fd, tmp = tempfile.mkstemp(prefix=TMP_MANIFEST_PREFIX, dir=self.path.parent)
+        os.fchmod(fd, umask_mode())  # mkstemp makes 0600; the manifest is as readable as any file the user writes
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write("\n".join(lines) + "\n")
             f.flush()
@@ -164,11 +198,13 @@ def render_batch(
         raise ValueError(f"format must be one of {FORMATS}; got {fmt!r}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(out_dir, jobs)
     manifest = Manifest(out_dir)
     summary = BatchSummary(manifest=str(manifest.path))
     suffix = "" if fmt == "png" else f".{fmt}"
     for job in tqdm(jobs, desc="render", unit="clip", disable=not progress):
-        if manifest.finished(job, out_dir):
+        if manifest.finished(job, out_dir, suffix):
+            manifest.records[job.job_id]["line"] = job.line  # the line may have moved since it was rendered
             summary.skipped += 1
             continue
         record: dict[str, Any] = {"job_id": job.job_id, "line": job.line, "prompt": job.prompt, "seed": job.seed,
@@ -189,4 +225,6 @@ def render_batch(
             summary.failed += 1
         record["seconds"] = round(time.perf_counter() - started, 3)
         manifest.write(jobs, record)
+    if summary.skipped:
+        manifest.write(jobs)  # skipped jobs may have moved in the prompt file: keep the manifest in its order
     return summary

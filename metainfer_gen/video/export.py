@@ -17,6 +17,25 @@ import numpy as np
 VIDEO_SUFFIXES = (".mp4", ".gif")
 
 
+def umask_mode(mode: int = 0o666) -> int:
+    """``mode`` as the process umask would leave it for a newly created file (``tempfile`` makes 0600/0700)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
+def check_output_path(path: str | os.PathLike) -> Path:
+    """Check the suffix names a format :func:`save_video` writes, before any rendering work.
+
+    Raises:
+        ValueError: a suffix other than .mp4 or .gif (no suffix means a folder of PNG frames).
+    """
+    path = Path(path)
+    if path.suffix and path.suffix.lower() not in VIDEO_SUFFIXES:
+        raise ValueError(f"unsupported output {path.name!r}: use .mp4, .gif, or a name without suffix for PNG frames")
+    return path
+
+
 def check_frames(frames: np.ndarray) -> np.ndarray:
     """Validate a clip: uint8 array of shape (F, H, W, 3) with F >= 1.
 
@@ -57,13 +76,12 @@ def save_video(frames: np.ndarray, path: str | os.PathLike, fps: float = 8.0) ->
     frames = check_frames(frames)
     if fps <= 0:
         raise ValueError(f"fps must be > 0; got {fps}")
-    path = Path(path)
+    path = check_output_path(path)
     suffix = path.suffix.lower()
-    if suffix and suffix not in VIDEO_SUFFIXES:
-        raise ValueError(f"unsupported output {path.name!r}: use .mp4, .gif, or a name without suffix for PNG frames")
     path.parent.mkdir(parents=True, exist_ok=True)
     if not suffix:
         tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        os.chmod(tmp_dir, umask_mode(0o777))
         try:
             for i, frame in enumerate(frames):
                 imageio.imwrite(tmp_dir / f"frame_{i:05d}.png", frame)
@@ -76,6 +94,7 @@ def save_video(frames: np.ndarray, path: str | os.PathLike, fps: float = 8.0) ->
                 shutil.rmtree(tmp_dir)
         return path
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=suffix, dir=path.parent)
+    os.fchmod(fd, umask_mode())
     os.close(fd)
     try:
         if suffix == ".mp4":

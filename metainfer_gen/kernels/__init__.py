@@ -1,0 +1,50 @@
+"""Fused kernels behind one registry, with an audit of which path ran and why faster ones were refused.
+
+    from metainfer_gen import kernels
+
+    y = kernels.rms_norm(x, weight, eps=1e-6)          # Triton on GPU, compiled or eager torch on CPU
+    with kernels.audit() as report:                     # what ran inside the block, counted per call site
+        out = pipe("a red circle moving right")
+    print(report.summary())
+    kernels.fuse_kernels(pipe.diffusers_pipeline.transformer)   # swap the fused ops into Wan blocks (removable)
+
+Importing this package is cheap: the kernel files (which import torch, never triton) load on first attribute
+access, and Triton kernels are built on their first launch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "rms_norm": "metainfer_gen.kernels.norm",
+    "fused_add_rms_norm": "metainfer_gen.kernels.norm",
+    "rope": "metainfer_gen.kernels.rotary",
+    "adaln_modulate": "metainfer_gen.kernels.adaln",
+    "gated_residual": "metainfer_gen.kernels.adaln",
+    "compute_slot_mapping": "metainfer_gen.kernels.kv_cache",
+    "positions_from_lengths": "metainfer_gen.kernels.kv_cache",
+    "store_kv_cache": "metainfer_gen.kernels.kv_cache",
+    "audit": "metainfer_gen.kernels.audit_log",
+    "global_audit": "metainfer_gen.kernels.audit_log",
+    "Audit": "metainfer_gen.kernels.audit_log",
+    "FastPathRefused": "metainfer_gen.kernels.registry",
+    "Op": "metainfer_gen.kernels.registry",
+    "get_op": "metainfer_gen.kernels.registry",
+    "register_op": "metainfer_gen.kernels.registry",
+    "registered_ops": "metainfer_gen.kernels.registry",
+    "FuseKernelsConfig": "metainfer_gen.kernels.fuse",
+    "fuse_kernels": "metainfer_gen.kernels.fuse",
+    "unfuse_kernels": "metainfer_gen.kernels.fuse",
+    "register_fuser": "metainfer_gen.kernels.fuse",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'metainfer_gen.kernels' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

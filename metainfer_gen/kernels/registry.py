@@ -1,0 +1,226 @@
+"""Dispatch by op name to the fastest implementation that applies, with the refusals audited.
+
+Each op holds implementations ordered fastest first. An implementation pairs a function with a ``supports``
+predicate taking the same arguments and returning ``None`` when it applies or a refusal reason when it does not
+(``"dtype torch.float64 not in (float32, bfloat16, float16)"``, ``"input x is not contiguous"``, ``"CPU-only
+machine: ..."``). Dispatch walks the list, runs the first that applies, and records the choice and every refusal in
+:mod:`metainfer_gen.kernels.audit_log`, counted per call site. In strict mode -- ``strict=True`` or the environment
+variable ``METAINFER_STRICT_FAST_PATH=1`` -- any refusal raises :class:`FastPathRefused` instead of falling back.
+
+Under ``torch.compile`` (an outer compile of a whole model) dispatch runs the last implementation, the plain torch
+reference, unaudited: it traces cleanly and the outer compiler fuses it anyway.
+
+Kernel modules register themselves on import; :func:`load_builtin_ops` imports the built-in ones (listed in
+:data:`BUILTIN_KERNEL_MODULES`; later kernels append their module there or call :func:`register_op` themselves).
+The design follows mini-sglang's lazy registries and vLLM's ``CustomOp`` (``forward_cuda`` / ``forward_native``
+chosen per platform), with the difference that the choice is made per call from the inputs and always reported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from metainfer_gen.kernels.audit_log import Refusal, record
+
+__all__ = [
+    "BUILTIN_KERNEL_MODULES",
+    "FastPathRefused",
+    "Implementation",
+    "Op",
+    "STRICT_ENV",
+    "get_op",
+    "load_builtin_ops",
+    "register_op",
+    "registered_ops",
+    "strict_enabled",
+]
+
+STRICT_ENV = "METAINFER_STRICT_FAST_PATH"
+
+BUILTIN_KERNEL_MODULES: list[str] = [
+    "metainfer_gen.kernels.norm",
+    "metainfer_gen.kernels.rotary",
+    "metainfer_gen.kernels.adaln",
+    "metainfer_gen.kernels.kv_cache",
+]
+
+Example = Callable[[str, Any], tuple[tuple, dict]]
+
+
+class FastPathRefused(RuntimeError):
+    """Strict mode: a faster implementation did not apply. ``refusals`` lists each one and why."""
+
+    def __init__(self, op: str, site: str, path: str, refusals: tuple[Refusal, ...]):
+        self.op, self.site, self.path, self.refusals = op, site, path, refusals
+        reasons = "; ".join(str(r) for r in refusals)
+        super().__init__(f"{op} at {site} would fall back to '{path}' ({STRICT_ENV}/strict is on): {reasons}")
+
+
+def strict_enabled(strict: bool | None = None) -> bool:
+    """``strict`` when given, else the ``METAINFER_STRICT_FAST_PATH`` environment variable (``1``/``true``/``yes``)."""
+    if strict is not None:
+        return bool(strict)
+    return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _always(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Implementation:
+    """One way to compute an op. ``supports(*args, **kwargs)`` -> None (applies) or the refusal reason."""
+
+    name: str
+    fn: Callable[..., Any]
+    supports: Callable[..., str | None] = _always
+    description: str = ""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+class Op:
+    """A named operation with implementations ordered fastest first; the last must always apply.
+
+    Args:
+        name: registry key (``"rms_norm"``).
+        description: one line for ``doctor``.
+        example: ``example(device, dtype) -> (args, kwargs)`` building representative inputs, so that ``doctor``
+            can report which implementation would run on this machine without running anything.
+    """
+
+    def __init__(self, name: str, description: str = "", example: Example | None = None):
+        if not name or not isinstance(name, str):
+            raise ValueError(f"op name must be a non-empty string; got {name!r}")
+        self.name = name
+        self.description = description
+        self.example = example
+        self._impls: list[Implementation] = []
+
+    def register(self, name: str, fn: Callable[..., Any], supports: Callable[..., str | None] | None = None, *,
+                 description: str = "", before: str | None = None) -> Implementation:
+        """Add an implementation at the end (the slowest so far) or just before the one named ``before``.
+
+        Raises:
+            ValueError: ``name`` already registered for this op, or ``before`` unknown.
+        """
+        if any(i.name == name for i in self._impls):
+            raise ValueError(f"{self.name}: implementation {name!r} already registered")
+        impl = Implementation(name, fn, supports or _always, description)
+        if before is None:
+            self._impls.append(impl)
+        else:
+            self._impls.insert(self._index(before), impl)
+        return impl
+
+    def _index(self, name: str) -> int:
+        for k, impl in enumerate(self._impls):
+            if impl.name == name:
+                return k
+        raise ValueError(f"{self.name} has no implementation {name!r}; registered: {self.names}")
+
+    @property
+    def names(self) -> list[str]:
+        return [i.name for i in self._impls]
+
+    @property
+    def implementations(self) -> tuple[Implementation, ...]:
+        return tuple(self._impls)
+
+    def implementation(self, name: str) -> Implementation:
+        """The implementation called ``name`` (to call it directly in tests and benchmarks, bypassing dispatch)."""
+        return self._impls[self._index(name)]
+
+    @property
+    def reference(self) -> Implementation:
+        """The last implementation: plain torch, always applicable, the ground truth for tests."""
+        return self._impls[-1]
+
+    def select(self, *args: Any, **kwargs: Any) -> tuple[Implementation, tuple[Refusal, ...]]:
+        """The implementation dispatch would run for these inputs, and the refusals of the faster ones.
+
+        Raises:
+            RuntimeError: no implementation applies (a registration bug: the last one should always apply).
+        """
+        refusals: list[Refusal] = []
+        for impl in self._impls:
+            reason = impl.supports(*args, **kwargs)
+            if reason is None:
+                return impl, tuple(refusals)
+            refusals.append(Refusal(impl.name, reason))
+        raise RuntimeError(f"{self.name}: no implementation applies: " + "; ".join(str(r) for r in refusals))
+
+    def dispatch(self, *args: Any, site: str | None = None, strict: bool | None = None, stacklevel: int = 1,
+                 **kwargs: Any) -> Any:
+        """Run the fastest applicable implementation and audit the choice.
+
+        Args:
+            args, kwargs: the op's arguments, passed to ``supports`` and to the implementation.
+            site: the call-site name in the audit; default ``"file.py:line (function)"`` of the caller
+                ``stacklevel`` frames up (1 = whoever called ``dispatch``).
+            strict: raise instead of falling back; None reads ``METAINFER_STRICT_FAST_PATH``.
+        Raises:
+            FastPathRefused: strict mode and a faster implementation was refused.
+        """
+        import torch
+
+        if torch.compiler.is_compiling():
+            return self._impls[-1].fn(*args, **kwargs)
+        impl, refusals = self.select(*args, **kwargs)
+        if site is None:
+            frame = sys._getframe(stacklevel)
+            site = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
+        if refusals and strict_enabled(strict):
+            raise FastPathRefused(self.name, site, impl.name, refusals)
+        record(self.name, site, impl.name, refusals)
+        return impl.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Op({self.name!r}, implementations={self.names})"
+
+
+_OPS: dict[str, Op] = {}
+
+
+def register_op(op: Op) -> Op:
+    """Add ``op`` to the registry.
+
+    Raises:
+        ValueError: another op already has this name.
+    """
+    existing = _OPS.get(op.name)
+    if existing is not None and existing is not op:
+        raise ValueError(f"op {op.name!r} is already registered")
+    _OPS[op.name] = op
+    return op
+
+
+def load_builtin_ops() -> None:
+    """Import every module in :data:`BUILTIN_KERNEL_MODULES` (each registers its ops on import)."""
+    for module in BUILTIN_KERNEL_MODULES:
+        importlib.import_module(module)
+
+
+def get_op(name: str) -> Op:
+    """The op called ``name``, loading the built-in kernels first.
+
+    Raises:
+        KeyError: no such op (the message lists the registered ones).
+    """
+    if name not in _OPS:
+        load_builtin_ops()
+    try:
+        return _OPS[name]
+    except KeyError:
+        raise KeyError(f"no op {name!r}; registered: {sorted(_OPS)}") from None
+
+
+def registered_ops() -> list[Op]:
+    """All ops, built-ins loaded, in registration order."""
+    load_builtin_ops()
+    return list(_OPS.values())
