@@ -205,7 +205,10 @@ def override_capabilities(caps: Capabilities) -> Iterator[Capabilities]:
 @functools.lru_cache(maxsize=1)
 def triton_installed() -> str | None:
     """Installed triton version, or None. Looks at package metadata only: triton is not imported."""
-    if importlib.util.find_spec("triton") is None:
+    try:
+        if importlib.util.find_spec("triton") is None:
+            return None
+    except (ImportError, ValueError):  # a stub or None left in sys.modules
         return None
     try:
         return importlib.metadata.version("triton")

@@ -50,6 +50,26 @@ def _add_render_parser(subparsers) -> None:
     p.set_defaults(func=cmd_render)
 
 
+def _add_doctor_parser(subparsers) -> None:
+    p = subparsers.add_parser("doctor", help="show this machine's capabilities and which fast kernel paths run here",
+                              description="Print device kind, compute capability, bf16/fp8 support, peer access, "
+                                          "Triton mode and package versions, then for each registered kernel op "
+                                          "the implementation that would run here and why faster ones are refused.")
+    p.add_argument("--strict", action="store_true", help="exit 1 if any op falls back from its fastest path")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
+    p.add_argument("--device", default=None, help="device of the example inputs: cpu, cuda (default: cuda if "
+                                                   "available)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="dtype of the example inputs (default bfloat16 on CUDA, float32 on CPU)")
+
+    def cmd_doctor(args: argparse.Namespace) -> int:
+        from metainfer_gen.apps.doctor import cmd_doctor as run
+
+        return run(args)
+
+    p.set_defaults(func=cmd_doctor)
+
+
 def _call_args(args: argparse.Namespace) -> dict[str, Any]:
     names = ("negative_prompt", "num_frames", "height", "width", "num_inference_steps", "guidance_scale")
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
@@ -115,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"metainfer-gen {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_render_parser(subparsers)
+    _add_doctor_parser(subparsers)
     return parser
 
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from metainfer_gen.kernels.common import (CompiledPath, contiguous_refusal, dtype_refusal, first_refusal,
-                                          lazy_triton_kernel, row_bytes_refusal, triton_refusal)
+from metainfer_gen.kernels.common import (CompiledPath, _sum_combine, contiguous_refusal, dtype_refusal,
+                                          first_refusal, lazy_triton_kernel, row_bytes_refusal, triton_refusal)
 from metainfer_gen.kernels.registry import Op, register_op
 
 __all__ = ["adaln_modulate", "adaln_modulate_reference", "gated_residual", "gated_residual_reference"]
@@ -44,10 +44,17 @@ def gated_residual_reference(residual: torch.Tensor, y: torch.Tensor, gate: torc
 
 # --- Triton kernels --------------------------------------------------------------------------------------------
 
+# Bound on the first kernel build (triton is imported lazily); kernels look names up in module globals.
+add = tl = triton = None
+
+
 @lazy_triton_kernel
 def _kernels():
+    global add, tl, triton  # kernels resolve names through module globals (closures are not seen)
     import triton
     import triton.language as tl
+
+    add = _sum_combine(tl)
 
     @triton.jit
     def adaln_modulate_kernel(
@@ -70,9 +77,9 @@ def _kernels():
         cols = tl.arange(0, BLOCK_N)
         mask = cols < N
         x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=0) / N
+        mean = tl.reduce(x, 0, add) / N
         centered = tl.where(mask, x - mean, 0.0)
-        rstd = tl.rsqrt(tl.sum(centered * centered, axis=0) / N + eps)
+        rstd = tl.rsqrt(tl.reduce(centered * centered, 0, add) / N + eps)
         scale = tl.load(scale_ptr + b * stride_scale_b + s * stride_scale_s + cols, mask=mask, other=0.0)
         shift = tl.load(shift_ptr + b * stride_shift_b + s * stride_shift_s + cols, mask=mask, other=0.0)
         y = centered * rstd * (1.0 + scale.to(tl.float32)) + shift.to(tl.float32)

@@ -120,6 +120,26 @@ def lazy_triton_kernel(builder: Callable[[], Any]) -> Callable[[], Any]:
     return get
 
 
+def _sum_combine(tl) -> Any:
+    """The combine function for ``tl.reduce`` sums, usable both compiled and interpreted.
+
+    ``tl.sum`` is itself a ``@triton.jit`` function, decorated when ``triton.language`` is first imported; if that
+    happened with ``TRITON_INTERPRET`` unset (diffusers imports triton early), the interpreter later refuses to call
+    it ("Cannot call @triton.jit'd outside of the scope of a kernel"). ``tl.reduce`` is patched by the interpreter,
+    which recognises ``_sum_combine`` and sums in numpy, so kernels reduce with ``tl.reduce(x, 0, add)``.
+    """
+    combine = getattr(getattr(tl, "standard", None), "_sum_combine", None)
+    if combine is not None:
+        return combine
+    import triton
+
+    @triton.jit
+    def add(a, b):
+        return a + b
+
+    return add
+
+
 def _signature(args: tuple, kwargs: dict) -> tuple:
     def one(value: Any) -> Any:
         if isinstance(value, torch.Tensor):

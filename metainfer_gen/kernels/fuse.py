@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 __all__ = ["FUSE_HOOK", "FuseKernelsConfig", "FuseReport", "fuse_kernels", "is_fused", "register_fuser",
            "unfuse_kernels"]
@@ -163,5 +163,3 @@ def unfuse_kernels(model) -> int:
             count += 1
     return count
 
-
-FuserFn = Callable[..., "str | None"]

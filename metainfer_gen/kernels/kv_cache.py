@@ -12,7 +12,7 @@ lengths, also without a loop. Slot ``-1`` marks a padding token that is not stor
 The Triton store copies raw 32-bit words, so one compiled kernel serves bf16, fp16, fp32 and fp8 caches
 bit-exactly (Triton cannot even name fp8e4nv below sm89, but it can move its bytes). It therefore needs each
 token's (H, D) row to be a whole number of words and 4-byte aligned, and the key already in the cache dtype;
-otherwise the torch reference (an ``index_copy_`` with the dtype cast) runs. The reference is already a single
+otherwise the torch reference (a dtype cast, then an ``index_copy_`` of the bytes) runs. The reference is already a single
 memory pass on the CPU, so there is no compiled path for this op.
 
 Sources: nano-vllm ``engine/block_manager.py`` and ``layers/attention.py`` (``store_kvcache`` Triton kernel, slot
@@ -100,15 +100,21 @@ def store_kv_cache_reference(key: torch.Tensor, value: torch.Tensor | None, k_ca
     """Write key[t] (and value[t]) into slot slot_mapping[t] of the caches, casting to the cache dtype."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])
-    k_flat.index_copy_(0, slots, key[keep].to(k_cache.dtype))
-    if value is not None:
-        v_flat = v_cache.view(-1, *v_cache.shape[2:])
-        v_flat.index_copy_(0, slots, value[keep].to(v_cache.dtype))
+    for rows, cache in ((key, k_cache), (value, v_cache)):
+        if rows is None:
+            continue
+        # index_copy_ has no fp8 kernel on the CPU: copy the bytes (identical for every dtype).
+        flat = cache.view(-1, *cache.shape[2:]).view(torch.uint8)
+        flat.index_copy_(0, slots, rows[keep].to(cache.dtype).contiguous().view(torch.uint8))
+
+
+# Bound on the first kernel build (triton is imported lazily); kernels look names up in module globals.
+tl = triton = None
 
 
 @lazy_triton_kernel
 def _kernel():
+    global tl, triton  # kernels resolve names through module globals (closures are not seen)
     import triton
     import triton.language as tl
 
@@ -129,14 +135,16 @@ def _kernel():
     ):
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + t).to(tl.int64)
-        keep = slot >= 0
+        # A padding token (slot -1) copies zero words.
+        num_k = tl.where(slot >= 0, WK, 0)
         k = tl.arange(0, BLOCK_K)
-        words = tl.load(key_ptr + t * stride_key + k, mask=(k < WK) & keep)
-        tl.store(k_cache_ptr + slot * WK + k, words, mask=(k < WK) & keep)
+        words = tl.load(key_ptr + t * stride_key + k, mask=k < num_k)
+        tl.store(k_cache_ptr + slot * WK + k, words, mask=k < num_k)
         if HAS_VALUE:
+            num_v = tl.where(slot >= 0, WV, 0)
             v = tl.arange(0, BLOCK_V)
-            words = tl.load(value_ptr + t * stride_value + v, mask=(v < WV) & keep)
-            tl.store(v_cache_ptr + slot * WV + v, words, mask=(v < WV) & keep)
+            words = tl.load(value_ptr + t * stride_value + v, mask=v < num_v)
+            tl.store(v_cache_ptr + slot * WV + v, words, mask=v < num_v)
 
     return store_kv_kernel
 
@@ -203,7 +211,7 @@ def _example(device: str, dtype: torch.dtype):
 STORE_KV_CACHE = register_op(Op("store_kv_cache", "write new K/V rows into their paged-cache slots", _example))
 STORE_KV_CACHE.register("triton", store_kv_cache_triton, _triton_supports,
                         description="one program per token, 32-bit word copy, slot -1 skipped")
-STORE_KV_CACHE.register("torch", store_kv_cache_reference, description="index_copy_ with dtype cast")
+STORE_KV_CACHE.register("torch", store_kv_cache_reference, description="index_copy_ of bytes after a dtype cast")
 
 
 def _check_rows(name: str, rows: torch.Tensor, cache: torch.Tensor, num_tokens: int) -> None:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from metainfer_gen.kernels.common import (CompiledPath, contiguous_refusal, dtype_refusal, first_refusal,
-                                          lazy_triton_kernel, row_bytes_refusal, triton_refusal)
+from metainfer_gen.kernels.common import (CompiledPath, _sum_combine, contiguous_refusal, dtype_refusal,
+                                          first_refusal, lazy_triton_kernel, row_bytes_refusal, triton_refusal)
 from metainfer_gen.kernels.registry import Op, register_op
 
 __all__ = ["fused_add_rms_norm", "fused_add_rms_norm_reference", "rms_norm", "rms_norm_reference"]
@@ -43,10 +43,17 @@ def fused_add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight
 
 # --- Triton kernel ---------------------------------------------------------------------------------------------
 
+# Bound on the first kernel build (triton is imported lazily); kernels look names up in module globals.
+add = tl = triton = None
+
+
 @lazy_triton_kernel
 def _kernel():
+    global add, tl, triton  # kernels resolve names through module globals (closures are not seen)
     import triton
     import triton.language as tl
+
+    add = _sum_combine(tl)
 
     @triton.jit
     def rms_norm_kernel(
@@ -72,7 +79,7 @@ def _kernel():
             summed = (x + r).to(res_out_ptr.dtype.element_ty)
             tl.store(res_out_ptr + row * N + cols, summed, mask=mask)
             x = summed.to(tl.float32)  # normalise the rounded sum, as the unfused model does
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+        rstd = tl.rsqrt(tl.reduce(x * x, 0, add) / N + eps)
         y = x * rstd
         if HAS_WEIGHT:
             y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)

@@ -39,8 +39,13 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interl
     return torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).to(x.dtype)
 
 
+# Bound on the first kernel build (triton is imported lazily); kernels look names up in module globals.
+tl = triton = None
+
+
 @lazy_triton_kernel
 def _kernel():
+    global tl, triton  # kernels resolve names through module globals (closures are not seen)
     import triton
     import triton.language as tl
 

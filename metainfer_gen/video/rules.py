@@ -98,7 +98,8 @@ class VideoRules:
                 )
         if num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be >= 1; got {num_inference_steps}")
-        if not isinstance(guidance_scale, (int, float)) or not math.isfinite(guidance_scale) or guidance_scale < 0:
+        if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)) \
+                or not math.isfinite(guidance_scale) or guidance_scale < 0:
             raise ValueError(f"guidance_scale must be a finite number >= 0; got {guidance_scale!r}")
         prompts = [prompt] if isinstance(prompt, str) or prompt is None else list(prompt)
         for p in prompts:

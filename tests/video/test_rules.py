@@ -96,7 +96,7 @@ def test_guidance_scales_that_pass(wan, guidance):
     assert wan.check(**valid(guidance_scale=guidance)) is None
 
 
-@pytest.mark.parametrize("guidance", [-1.0, math.nan, math.inf, -math.inf, "5", None])
+@pytest.mark.parametrize("guidance", [-1.0, math.nan, math.inf, -math.inf, "5", None, True])
 def test_bad_guidance_scales_raise(wan, guidance):
     with pytest.raises(ValueError, match="guidance_scale"):
         wan.check(**valid(guidance_scale=guidance))

@@ -4,8 +4,8 @@ Run (resumable; rerun the same command after a stop)::
 
     OMP_NUM_THREADS=2 python -m metainfer_gen.video.demo_model.train_vae --work-dir build/demo_model/vae
 
-Schedule: most steps on random 32x32 crops of 9-frame clips (4x cheaper; the VAE is convolutional), then full
-64x64 frames. Loss: mask-weighted MSE (+0.1 L1) in pixel space (the shape's pixels weigh 4x, so small saturated
+Schedule: single frames first, then 9-frame clips, both on random 32x32 crops (4x cheaper; the VAE is
+convolutional), then full 64x64 clips. Loss: mask-weighted MSE (+0.1 L1) in pixel space (the shape's pixels weigh 4x, so small saturated
 objects keep their colour) plus a small KL term (Kingma & Welling 2014) that keeps the latent well scaled.
 """
 
@@ -86,11 +86,22 @@ def crop(videos: torch.Tensor, masks: torch.Tensor, size: int, generator: torch.
     return videos[..., top:top + size, left:left + size], masks[..., top:top + size, left:left + size]
 
 
+def phase(step: int, args: argparse.Namespace) -> tuple[int, int, int]:
+    """(num_frames, batch size, crop size) of ``step``: single frames first (5x cheaper per step; they train the
+    spatial path), then 9-frame clips on 32x32 crops (the causal temporal path), then full 64x64 clips."""
+    if step < args.image_steps:
+        return 1, 2 * args.batch_size, 32
+    if step < args.steps - args.full_size_steps:
+        return 9, args.batch_size, 32
+    return 9, max(1, args.batch_size // 2), configs.SIZE
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", default="build/demo_model/vae", help="checkpoint and log folder")
-    parser.add_argument("--steps", type=int, default=4000, help="total optimiser steps")
-    parser.add_argument("--full-size-steps", type=int, default=600, help="final steps on full 64x64 clips")
+    parser.add_argument("--steps", type=int, default=2050, help="total optimiser steps")
+    parser.add_argument("--image-steps", type=int, default=1500, help="first steps on single frames")
+    parser.add_argument("--full-size-steps", type=int, default=150, help="final steps on full 64x64 clips")
     parser.add_argument("--batch-size", type=int, default=4, help="clips per step")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
     parser.add_argument("--kl-weight", type=float, default=1e-4, help="weight of the mean per-element KL term")
@@ -106,11 +117,10 @@ def main(argv: list[str] | None = None) -> None:
     while run.step < args.steps:
         run.set_learning_rate(args.lr, args.steps, warmup_steps=100)
         generator = run.generator(args.seed)
-        full = run.step >= args.steps - args.full_size_steps
-        batch = max(1, args.batch_size // 2) if full else args.batch_size
-        videos, masks, _ = sample_batch(batch, 9, configs.SIZE, generator)
-        if not full:
-            videos, masks = crop(videos, masks, 32, generator)
+        num_frames, batch, crop_size = phase(run.step, args)
+        videos, masks, _ = sample_batch(batch, num_frames, configs.SIZE, generator)
+        if crop_size < configs.SIZE:
+            videos, masks = crop(videos, masks, crop_size, generator)
         posterior = vae.encode(videos).latent_dist
         recon = decode_unclamped(vae, posterior.sample(generator=generator))
         rec = reconstruction_loss(recon, videos, masks)

@@ -1,0 +1,139 @@
+"""``metainfer-gen doctor``: what this machine can do, and which kernel paths would run here and why not faster.
+
+For each registered op the doctor builds the op's example inputs (realistic sizes) on the default device -- CUDA
+when present, else CPU -- and asks the registry which implementation it would pick, without running anything. With
+``--strict`` it exits 1 when any op would fall back from its fastest implementation, which makes it a CI gate for a
+GPU machine (on a CPU-only machine every Triton path is refused, so strict mode fails there by design).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import platform as py_platform
+import sys
+from dataclasses import dataclass
+from typing import TextIO
+
+__all__ = ["OpReport", "cmd_doctor", "collect", "render"]
+
+_PACKAGES = ("torch", "triton", "diffusers", "transformers")
+
+
+@dataclass(frozen=True, slots=True)
+class OpReport:
+    op: str
+    description: str
+    path: str  # implementation that would run on the example inputs
+    fastest: str  # the op's fastest registered implementation
+    refusals: tuple[tuple[str, str], ...]  # (implementation, reason), fastest first
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def collect(device: str | None = None, dtype: str | None = None) -> dict:
+    """Capabilities, versions and per-op selections as a JSON-ready dict.
+
+    Args:
+        device: where the example inputs live ("cpu", "cuda"); default CUDA when present, else CPU.
+        dtype: "float32", "bfloat16" or "float16"; default bfloat16 on a GPU, float32 on a CPU.
+    Raises:
+        ValueError: unknown dtype.
+    """
+    import torch
+
+    from metainfer_gen import __version__, platform
+    from metainfer_gen.kernels.registry import registered_ops
+
+    caps = platform.capabilities()
+    device = device or ("cuda" if caps.has_gpu else "cpu")
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16; got {dtype!r}")
+    triton = platform.triton_status()
+    ops = []
+    for op in registered_ops():
+        if op.example is None:
+            ops.append(OpReport(op.name, op.description, "?", op.names[0], (("*", "no example inputs"),)))
+            continue
+        args, kwargs = op.example(device, getattr(torch, dtype))
+        impl, refusals = op.select(*args, **kwargs)
+        ops.append(OpReport(op.name, op.description, impl.name, op.names[0],
+                            tuple((r.implementation, r.reason) for r in refusals)))
+    return {
+        "machine": {
+            "device_kind": caps.device_kind.value,
+            "devices": [{"index": i, "name": name, "compute_capability": list(caps.compute_capabilities[i])}
+                        for i, name in enumerate(caps.device_names)],
+            "gcn_arch": list(caps.gcn_arch),
+            "bf16_native": caps.bf16,
+            "fp8_e4m3": caps.fp8_e4m3,
+            "fp8_e5m2": caps.fp8_e5m2,
+            "peer_access": sorted([list(p) for p in caps.peer_access]),
+            "missing_peer_pairs": [list(p) for p in caps.missing_peer_pairs()],
+            "cpu_capability": caps.cpu_capability,
+            "cpu_threads": torch.get_num_threads(),
+            "cxx_compiler": caps.cxx_compiler,
+            "notes": list(caps.notes),
+        },
+        "triton": {"mode": triton.mode.value, "version": triton.version, "reason": triton.reason},
+        "versions": {"python": py_platform.python_version(), "metainfer-gen": __version__,
+                     **{p: _version(p) for p in _PACKAGES}, "torch cuda": caps.torch_cuda or "none",
+                     "torch hip": caps.torch_hip or "none"},
+        "example": {"device": device, "dtype": dtype},
+        "ops": [{"op": o.op, "description": o.description, "path": o.path, "fastest": o.fastest,
+                 "refusals": [{"implementation": i, "reason": r} for i, r in o.refusals]} for o in ops],
+    }
+
+
+def render(report: dict, out: TextIO) -> None:
+    """Print ``report`` (from :func:`collect`) as the human-readable doctor page."""
+    m, t, v = report["machine"], report["triton"], report["versions"]
+    w = out.write
+    w("metainfer-gen doctor\n\nmachine\n")
+    w(f"  device kind      {m['device_kind']}\n")
+    for d in m["devices"]:
+        w(f"  gpu {d['index']:<12} {d['name']} (compute capability {d['compute_capability'][0]}."
+          f"{d['compute_capability'][1]})\n")
+    w(f"  bf16 native      {'yes' if m['bf16_native'] else 'no'}\n")
+    w(f"  fp8 e4m3/e5m2    {'yes' if m['fp8_e4m3'] else 'no'}/{'yes' if m['fp8_e5m2'] else 'no'} (hardware "
+      f"arithmetic)\n")
+    if len(m["devices"]) > 1:
+        missing = m["missing_peer_pairs"]
+        w(f"  peer access      {'all pairs' if not missing else f'missing for {missing}'}\n")
+    w(f"  cpu              {m['cpu_capability']}, {m['cpu_threads']} torch threads\n")
+    w(f"  c++ compiler     {m['cxx_compiler'] or 'none (torch.compile on CPU unavailable)'}\n")
+    for note in m["notes"]:
+        w(f"  note             {note}\n")
+    w(f"\ntriton             {t['mode']}" + (f" ({t['reason']})" if t["reason"] else "") + "\n")
+    w("\nversions\n")
+    for name, version in v.items():
+        w(f"  {name:<16} {version or 'not installed'}\n")
+    ex = report["example"]
+    w(f"\nkernels (example inputs on {ex['device']}, {ex['dtype']})\n")
+    for o in report["ops"]:
+        mark = "fast    " if not o["refusals"] else "fallback"
+        w(f"  [{mark}] {o['op']:<20} runs {o['path']:<9} (fastest: {o['fastest']})\n")
+        for r in o["refusals"]:
+            w(f"               refused {r['implementation']}: {r['reason']}\n")
+    slow = [o["op"] for o in report["ops"] if o["refusals"]]
+    w(f"\n{len(report['ops']) - len(slow)} of {len(report['ops'])} ops run their fastest path here"
+      + (f"; falling back: {', '.join(slow)}" if slow else "") + "\n")
+
+
+def cmd_doctor(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Entry point of ``metainfer-gen doctor``; returns 1 under ``--strict`` when any fast path is refused."""
+    out = sys.stdout if out is None else out
+    report = collect(device=args.device, dtype=args.dtype)
+    if args.json:
+        out.write(json.dumps(report, indent=2) + "\n")
+    else:
+        render(report, out)
+    refused = any(o["refusals"] for o in report["ops"])
+    return 1 if (args.strict and refused) else 0

@@ -1,0 +1,83 @@
+"""``metainfer-gen doctor``: capabilities, versions, and the path each registered op would take here."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+
+import pytest
+import torch
+
+from metainfer_gen.apps import doctor
+from metainfer_gen.apps.cli import main
+
+OPS = ("rms_norm", "fused_add_rms_norm", "rope", "adaln_modulate", "gated_residual", "store_kv_cache")
+
+
+@pytest.fixture(autouse=True)
+def _plain_env(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("METAINFER_STRICT_FAST_PATH", raising=False)
+
+
+def test_doctor_prints_machine_versions_and_every_op(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "device kind" in out and "c++ compiler" in out
+    for package in ("torch", "triton", "diffusers", "transformers"):
+        assert f"  {package} " in out
+    assert torch.__version__ in out
+    for op in OPS:
+        assert op in out
+    if not torch.cuda.is_available():
+        assert "refused triton: CPU-only machine" in out
+        assert "rms_norm             runs compiled" in out  # example inputs are large enough to compile
+        assert "store_kv_cache       runs torch" in out
+        assert "0 of 6 ops run their fastest path here" in out
+
+
+def test_strict_exits_nonzero_when_a_fast_path_is_refused(capsys):
+    code = main(["doctor", "--strict"])
+    refused = "fallback" in capsys.readouterr().out
+    assert code == (1 if refused else 0)
+    if not torch.cuda.is_available():
+        assert code == 1
+
+
+def test_strict_exits_zero_when_every_op_runs_its_fastest_path(monkeypatch):
+    report = doctor.collect()
+    for op in report["ops"]:
+        op["refusals"], op["path"] = [], op["fastest"]
+    monkeypatch.setattr(doctor, "collect", lambda device=None, dtype=None: report)
+    out = io.StringIO()
+    args = argparse.Namespace(strict=True, json=False, device=None, dtype=None)
+    assert doctor.cmd_doctor(args, out=out) == 0
+    assert "6 of 6 ops run their fastest path here" in out.getvalue()
+
+
+def test_json_report_is_machine_readable(capsys):
+    assert main(["doctor", "--json", "--dtype", "bfloat16"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {o["op"] for o in report["ops"]} >= set(OPS)
+    assert report["example"]["dtype"] == "bfloat16"
+    assert report["versions"]["torch"] == torch.__version__
+    assert report["triton"]["mode"] in ("compile", "interpret", "unavailable")
+
+
+def test_render_reports_missing_peer_access_on_a_multi_gpu_machine():
+    report = doctor.collect()
+    report["machine"].update(device_kind="cuda", devices=[
+        {"index": i, "name": "GPU", "compute_capability": [8, 9]} for i in range(3)],
+        missing_peer_pairs=[[0, 2], [2, 0]])
+    out = io.StringIO()
+    doctor.render(report, out)
+    assert "peer access      missing for [[0, 2], [2, 0]]" in out.getvalue()
+    assert "gpu 2            GPU (compute capability 8.9)" in out.getvalue()
+
+
+def test_unknown_dtype_is_an_error():
+    with pytest.raises(SystemExit):
+        main(["doctor", "--dtype", "int8"])
+    with pytest.raises(ValueError, match="dtype must be"):
+        doctor.collect(dtype="int8")
