@@ -47,6 +47,8 @@ def _add_render_parser(subparsers) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weights dtype (default float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--fused-kernels", action="store_true", help="swap the fused kernels into the transformer")
+    p.add_argument("--audit", action="store_true", help="print which kernel paths ran and why faster ones were refused")
     p.set_defaults(func=cmd_render)
 
 
@@ -96,14 +98,28 @@ def _pipeline_factory(args: argparse.Namespace) -> Callable[[str], Any]:
                 except ValueError:
                     pipe = None
             # Cached only once loaded: a failed load is retried (and reports its own error) for the next clip.
-            loaded[task] = pipe if pipe is not None else cls.from_pretrained(args.model, torch_dtype=dtype,
-                                                                             device=args.device)
+            if pipe is None:
+                pipe = cls.from_pretrained(args.model, torch_dtype=dtype, device=args.device)
+                if args.fused_kernels:
+                    pipe.enable_fused_kernels()
+            loaded[task] = pipe
         return loaded[task]
 
     return get
 
 
 def cmd_render(args: argparse.Namespace) -> int:
+    from metainfer_gen.kernels import audit
+
+    with audit() as report:
+        code = _render(args)
+    if args.audit:
+        print(report.summary() if report.num_calls else "kernel audit: no registry kernel ran "
+              "(enable them with --fused-kernels)")
+    return code
+
+
+def _render(args: argparse.Namespace) -> int:
     from metainfer_gen.apps.render import RenderJob, parse_prompt_file, render_batch
     from metainfer_gen.video.export import check_output_path
 

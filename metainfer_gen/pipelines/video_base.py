@@ -28,6 +28,7 @@ class VideoPipelineBase:
         self.settings = dict(settings or {})
         self.source = source
         self.rules = VideoRules.from_pipeline(pipe)
+        self.last_audit = None  # kernels.Audit of the last call: which kernel paths ran, and why others were refused
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path=None, *, torch_dtype=None, device: str | None = None,
@@ -82,6 +83,19 @@ class VideoPipelineBase:
         self.rules.check(prompt=given.get("prompt"), **values)
         return values
 
+    def enable_fused_kernels(self) -> None:
+        """Swap the registry's fused kernels into the transformer blocks (removable; see ``kernels.fuse_kernels``)."""
+        from metainfer_gen.kernels import fuse_kernels
+
+        for model in self.transformers:
+            fuse_kernels(model)
+
+    def disable_fused_kernels(self) -> None:
+        from metainfer_gen.kernels import unfuse_kernels
+
+        for model in self.transformers:
+            unfuse_kernels(model)
+
     def set_progress_bar_config(self, **kwargs) -> None:
         """Forwarded to diffusers (e.g. ``disable=True`` to silence the per-step bar)."""
         self.diffusers_pipeline.set_progress_bar_config(**kwargs)
@@ -93,8 +107,11 @@ class VideoPipelineBase:
             if isinstance(seed, bool) or not isinstance(seed, int):
                 raise TypeError(f"seed must be an int; got {seed!r}")
             generator = torch.Generator(device="cpu").manual_seed(seed)
-        with measure(self.transformers, self.device) as stats, torch.inference_mode():
+        from metainfer_gen.kernels import audit
+
+        with audit() as report, measure(self.transformers, self.device) as stats, torch.inference_mode():
             result = self.diffusers_pipeline(**call_kwargs, generator=generator, output_type="np")
+        self.last_audit = report
         stats.num_inference_steps = call_kwargs["num_inference_steps"]
         videos = result.frames
         fps = float(self.settings.get("fps", 8.0))
