@@ -103,20 +103,18 @@ class VideoPipelineBase:
     def _run(self, call_kwargs: dict[str, Any], settings: dict[str, Any], seed: int | None, generator=None):
         import torch
 
+        from metainfer_gen.kernels import audit
+
         if generator is None and seed is not None:
             if isinstance(seed, bool) or not isinstance(seed, int):
                 raise TypeError(f"seed must be an int; got {seed!r}")
             generator = torch.Generator(device="cpu").manual_seed(seed)
-        from metainfer_gen.kernels import audit
-
         with audit() as report, measure(self.transformers, self.device) as stats, torch.inference_mode():
             result = self.diffusers_pipeline(**call_kwargs, generator=generator, output_type="np")
         self.last_audit = report
         stats.num_inference_steps = call_kwargs["num_inference_steps"]
-        videos = result.frames
         fps = float(self.settings.get("fps", 8.0))
-        outputs = [VideoOutput(to_uint8_frames(v), stats, dict(settings), fps=fps) for v in videos]
-        return outputs
+        return [VideoOutput(to_uint8_frames(v), stats, dict(settings), fps=fps) for v in result.frames]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.diffusers_pipeline).__name__} from {self.source}, {self.rules})"

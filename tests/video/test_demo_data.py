@@ -65,3 +65,16 @@ def test_tokenizer_knows_every_prompt_word():
             ids = tokenizer(template.format(colour=colour, shape=shape, direction=direction)).input_ids
             assert unk not in ids and ids[-1] == tokenizer.eos_token_id
     assert unk in tokenizer("a magenta hexagon").input_ids
+
+
+def test_contact_sheet_puts_each_clip_in_a_row():
+    from metainfer_gen.video.demo_model.contact_sheet import contact_sheet
+
+    rng = np.random.default_rng(0)
+    clips = [rng.integers(0, 256, (9, 16, 16, 3), dtype=np.uint8) for _ in range(3)]
+    sheet = np.asarray(contact_sheet(clips, ["a", "b", "c"], every=2, scale=2))
+    frames_per_row = 5  # frames 0, 2, 4, 6, 8
+    assert sheet.shape[1] == frames_per_row * (16 + 2) * 2
+    assert sheet.shape[0] == 3 * (16 * 2 + 14 + 2)
+    first_row_first_frame = sheet[14:14 + 32:2, 0:32:2]
+    assert np.array_equal(first_row_first_frame, clips[0][0])
