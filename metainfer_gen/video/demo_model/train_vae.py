@@ -99,9 +99,9 @@ def phase(step: int, args: argparse.Namespace) -> tuple[int, int, int]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", default="build/demo_model/vae", help="checkpoint and log folder")
-    parser.add_argument("--steps", type=int, default=1300, help="total optimiser steps")
+    parser.add_argument("--steps", type=int, default=2200, help="total optimiser steps")
     parser.add_argument("--image-steps", type=int, default=800, help="first steps on single frames")
-    parser.add_argument("--full-size-steps", type=int, default=100, help="final steps on full 64x64 clips")
+    parser.add_argument("--full-size-steps", type=int, default=150, help="final steps on full 64x64 clips")
     parser.add_argument("--batch-size", type=int, default=4, help="clips per step")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
     parser.add_argument("--kl-weight", type=float, default=1e-4, help="weight of the mean per-element KL term")

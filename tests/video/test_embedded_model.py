@@ -1,0 +1,68 @@
+"""The embedded default model: loads offline, renders in its default settings, and follows prompts."""
+
+import json
+
+import numpy as np
+import pytest
+
+from metainfer_gen.pipelines.loading import SETTINGS_FILE, default_model_path
+from metainfer_gen.video.demo_model.evaluate import read_clip
+
+# Held-out (colour, shape, direction) triples: never seen in training.
+PROMPTS = [
+    ("a red circle moving right", "red", "right"),
+    ("the green triangle moves left", "green", "left"),
+    ("a blue square sliding down", "blue", "down"),
+    ("a yellow circle moving up", "yellow", "up"),
+]
+
+
+@pytest.fixture(scope="module")
+def t2v():
+    from metainfer_gen import pipelines
+
+    pipe = pipelines.TextToVideoPipeline.from_pretrained(device="cpu")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_embedded_model_ships_small_and_in_diffusers_layout():
+    path = default_model_path()
+    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    assert size < 30 * 2**20
+    index = json.loads((path / "model_index.json").read_text())
+    assert index["_class_name"] == "WanPipeline"
+    settings = json.loads((path / SETTINGS_FILE).read_text())
+    assert (settings["num_frames"] - 1) % 4 == 0 and settings["height"] % 16 == 0
+
+
+def test_stock_diffusers_loads_the_embedded_model():
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(str(default_model_path()))
+    assert pipe.transformer.config.in_channels == pipe.vae.config.z_dim
+
+
+@pytest.mark.parametrize("prompt,colour,direction", PROMPTS)
+def test_text_to_video_follows_colour_and_direction(t2v, prompt, colour, direction):
+    out = t2v(prompt, seed=1)
+    assert out.frames.shape == (t2v.default("num_frames"), t2v.default("height"), t2v.default("width"), 3)
+    reading = read_clip(out.frames)
+    assert (reading.colour, reading.direction) == (colour, direction), reading
+
+
+def test_image_to_video_keeps_the_first_frame_and_moves_it(t2v):
+    import torch
+
+    from metainfer_gen import pipelines
+    from metainfer_gen.video.demo_model import data
+    from metainfer_gen.video.quality import psnr
+
+    i2v = pipelines.ImageToVideoPipeline.from_pipe(t2v)
+    spec = data.sample_spec(("purple", "square", "up"), 17, 64, torch.Generator().manual_seed(3))
+    video, _ = data.render_clip(spec, 1, 64)
+    image = ((video[:, 0].permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()
+    out = i2v(image, "the purple square moves up", seed=2)
+    assert psnr(out.frames[0], image) >= 25.0
+    assert read_clip(out.frames).direction == "up"
+    assert not np.array_equal(out.frames[0], out.frames[-1])
