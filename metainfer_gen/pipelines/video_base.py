@@ -58,7 +58,11 @@ class VideoPipelineBase:
         """
         from metainfer_gen.pipelines.loading import for_task
 
-        return cls(for_task(other.diffusers_pipeline, cls.task), settings=other.settings, source=other.source)
+        pipe = for_task(other.diffusers_pipeline, cls.task)
+        progress = getattr(other.diffusers_pipeline, "_progress_bar_config", None)
+        if progress and pipe is not other.diffusers_pipeline:
+            pipe.set_progress_bar_config(**progress)
+        return cls(pipe, settings=other.settings, source=other.source)
 
     @property
     def device(self) -> str:
