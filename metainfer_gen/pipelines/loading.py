@@ -119,7 +119,8 @@ def load_diffusers_pipeline(path: str | Path | None, task: str, torch_dtype=None
         if not (local / "model_index.json").exists():
             raise FileNotFoundError(f"{local} holds no model_index.json: it is not a diffusers pipeline folder")
         source = local
-    elif str(source).startswith((".", "/", "~")) or Path(str(source)).suffix:
+    elif str(source).startswith((".", "/", "~", "\\")) or local.is_absolute():
+        # Only path-like strings are refused here; "org/name" (dots allowed, e.g. "Wan2.1-T2V-1.3B") is a hub id.
         raise FileNotFoundError(f"model path {source} does not exist")
     pipe = DiffusionPipeline.from_pretrained(str(source), dtype=torch_dtype, **kwargs)
     pipe = for_task(pipe, task)

@@ -379,3 +379,29 @@ def test_converted_i2v_round_trips_and_converts_back_to_the_same_t2v(ti2v, t2v, 
     assert type(back.diffusers_pipeline).__name__ == "WanPipeline"
     np.testing.assert_array_equal(back(PROMPT, num_frames=5, seed=3, **SMALL).frames,
                                   t2v(PROMPT, num_frames=5, seed=3, **SMALL).frames)
+
+
+@pytest.mark.parametrize("hub_id", ["Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Lightricks/LTX-Video-0.9.5"])
+def test_hub_ids_with_dots_reach_diffusers_and_are_not_taken_for_missing_paths(hub_id, monkeypatch):
+    import diffusers
+
+    from metainfer_gen.pipelines.loading import TEXT_TO_VIDEO, load_diffusers_pipeline
+
+    seen = []
+
+    def fake_from_pretrained(source, **kwargs):
+        seen.append(source)
+        raise OSError("offline")
+
+    monkeypatch.setattr(diffusers.DiffusionPipeline, "from_pretrained", fake_from_pretrained)
+    with pytest.raises(OSError, match="offline"):
+        load_diffusers_pipeline(hub_id, TEXT_TO_VIDEO, device="cpu")
+    assert seen == [hub_id]
+
+
+@pytest.mark.parametrize("path", ["./no/such/dir", "/no/such/dir", "~/no/such/dir"])
+def test_missing_local_paths_raise_file_not_found(path):
+    from metainfer_gen.pipelines.loading import TEXT_TO_VIDEO, load_diffusers_pipeline
+
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_diffusers_pipeline(path, TEXT_TO_VIDEO, device="cpu")

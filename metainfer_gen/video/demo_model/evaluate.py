@@ -74,12 +74,6 @@ def read_clip(frames: np.ndarray) -> ClipReading:
     return ClipReading(colour, direction, shape, (dx, dy), fraction)
 
 
-def _first_frame_psnr(first: np.ndarray, image: np.ndarray) -> float:
-    from metainfer_gen.video.quality import psnr
-
-    return psnr(first, image)
-
-
 def evaluate(model: str | None = None, num_inference_steps: int | None = None, guidance_scale: float | None = None,
              seed: int = 0, combos: list | None = None) -> dict:
     """Render every held-out prompt with text-to-video and image-to-video; return accuracies and per-clip rows."""
@@ -88,6 +82,7 @@ def evaluate(model: str | None = None, num_inference_steps: int | None = None, g
     from metainfer_gen import pipelines
     from metainfer_gen.video.demo_model import configs
     from metainfer_gen.video.demo_model.data import render_clip, sample_spec
+    from metainfer_gen.video.quality import psnr
 
     t2v = pipelines.TextToVideoPipeline.from_pretrained(model, device="cpu")
     t2v.set_progress_bar_config(disable=True)
@@ -107,7 +102,7 @@ def evaluate(model: str | None = None, num_inference_steps: int | None = None, g
             row = {"task": task, "prompt": prompt, "colour": colour, "shape": shape, "direction": direction,
                    "read": asdict(reading), "seconds": round(out.stats.seconds, 2)}
             if task == "i2v":
-                row["first_frame_psnr"] = round(_first_frame_psnr(out.frames[0], image), 2)
+                row["first_frame_psnr"] = round(psnr(out.frames[0], image), 2)
             rows.append(row)
     summary = {}
     for task in ("t2v", "i2v"):
