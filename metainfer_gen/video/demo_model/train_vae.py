@@ -107,10 +107,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kl-weight", type=float, default=1e-4, help="weight of the mean per-element KL term")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
     parser.add_argument("--eval-every", type=int, default=250, help="steps between held-out PSNR checks")
+    parser.add_argument("--init-from", default=None,
+                        help="start a new run (fresh optimiser and schedule) from a saved VAE folder; a stage-2 run")
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
     vae = build_vae()
+    if args.init_from:
+        from diffusers import AutoencoderKLWan
+
+        vae.load_state_dict(AutoencoderKLWan.from_pretrained(args.init_from).state_dict())
     optimizer = torch.optim.AdamW(vae.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.99))
     run = ResumableRun(args.work_dir, vae, optimizer)
     vae.train()

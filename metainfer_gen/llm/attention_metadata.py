@@ -1,0 +1,101 @@
+"""Per-step attention metadata: where each new token's KV goes and which cached tokens each query reads.
+
+Built once per engine step by the model runner and passed explicitly down to every attention layer (nano-vllm
+keeps the same fields in a global ``utils/context.py``; an argument is easier to test and cannot leak between
+steps). Every index tensor is computed here once, so the layers only gather and compute.
+
+Token layout of a step: the new tokens of sequence 0, then of sequence 1, ...; sequence ``i`` contributes
+``query_lens[i]`` tokens at positions ``starts[i] .. starts[i] + query_lens[i] - 1`` and afterwards holds
+``context_lens[i] = starts[i] + query_lens[i]`` tokens in the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from metainfer_gen.kernels.kv_cache import compute_slot_mapping, positions_from_lengths
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Index tensors of one step (all int64 on the model's device).
+
+    Attributes:
+        positions: (T,) position of every new token.
+        slot_mapping: (T,) cache slot each new token's KV is written to.
+        query_lens, starts, context_lens: per sequence, Python ints.
+        decode_rows: sequences with one new token, attended in one padded batch (the absorbed MLA path).
+        decode_tokens: (num_decode,) flat token index of each decode row.
+        decode_slots: (num_decode, max_context) cache slots of each decode row's context, 0 where padded.
+        decode_valid: (num_decode, max_context) bool, True for real context entries.
+        prefill_rows: sequences with several new tokens, attended one by one (the expanded MLA path).
+        prefill_slots: per prefill row, (context_len,) cache slots of its whole context.
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_lens: list[int]
+    starts: list[int]
+    context_lens: list[int]
+    decode_rows: list[int]
+    decode_tokens: torch.Tensor
+    decode_slots: torch.Tensor
+    decode_valid: torch.Tensor
+    prefill_rows: list[int]
+    prefill_slots: list[torch.Tensor]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.numel())
+
+    @property
+    def query_offsets(self) -> list[int]:
+        """Flat index of each sequence's first new token (length num_seqs + 1)."""
+        offsets = [0]
+        for n in self.query_lens:
+            offsets.append(offsets[-1] + n)
+        return offsets
+
+    @classmethod
+    def build(cls, starts: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int,
+              device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """Metadata for sequences that already hold ``starts[i]`` cached tokens and add ``query_lens[i]``.
+
+        Raises:
+            ValueError: a block table too short for its sequence's tokens.
+        """
+        num_seqs = len(starts)
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        table = torch.full((num_seqs, max(max_blocks, 1)), -1, dtype=torch.long)
+        for i, blocks in enumerate(block_tables):
+            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        table = table.to(device)
+        start_t = torch.tensor(starts, dtype=torch.long, device=device)
+        qlen_t = torch.tensor(query_lens, dtype=torch.long, device=device)
+        positions, seq_idx = positions_from_lengths(start_t, qlen_t)
+        slot_mapping = compute_slot_mapping(positions, seq_idx, table, block_size)
+        context_lens = [s + n for s, n in zip(starts, query_lens)]
+
+        decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
+        prefill_rows = [i for i, n in enumerate(query_lens) if n > 1]
+        offsets = [0]
+        for n in query_lens:
+            offsets.append(offsets[-1] + n)
+        max_ctx = max((context_lens[i] for i in decode_rows), default=1)
+        ctx_pos = torch.arange(max_ctx, device=device)
+        rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
+        lens = torch.tensor([context_lens[i] for i in decode_rows], dtype=torch.long, device=device)
+        decode_valid = ctx_pos[None, :] < lens[:, None]
+        blocks = table[rows][:, (ctx_pos // block_size).clamp_max(table.shape[1] - 1)]
+        decode_slots = torch.where(decode_valid, blocks * block_size + ctx_pos % block_size, 0)
+        prefill_slots = []
+        for i in prefill_rows:
+            pos = torch.arange(context_lens[i], device=device)
+            prefill_slots.append(table[i, pos // block_size] * block_size + pos % block_size)
+        return cls(positions=positions, slot_mapping=slot_mapping, query_lens=list(query_lens), starts=list(starts),
+                   context_lens=context_lens, decode_rows=decode_rows,
+                   decode_tokens=torch.tensor([offsets[i] for i in decode_rows], dtype=torch.long, device=device),
+                   decode_slots=decode_slots, decode_valid=decode_valid, prefill_rows=prefill_rows,
+                   prefill_slots=prefill_slots)

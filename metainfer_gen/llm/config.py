@@ -1,0 +1,68 @@
+"""Engine settings (vLLM's ``EngineArgs`` names where one exists), validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How the engine batches and how much KV cache it keeps.
+
+    Args:
+        block_size: tokens per KV block (page size).
+        max_num_seqs: sequences running at once (decode batch size).
+        max_num_batched_tokens: tokens per step, prefill chunks and decodes together.
+        max_model_len: context length; None takes the model's ``max_position_embeddings``.
+        enable_chunked_prefill: split long prompts across steps; when off, ``max_num_batched_tokens`` must be at
+            least ``max_model_len`` so every prompt fits one step.
+        enable_prefix_caching: reuse the KV of full blocks shared with earlier requests.
+        num_kv_blocks: size of the block pool; None derives it from ``kv_cache_memory_gib`` (capped at what
+            ``max_num_seqs`` sequences of ``max_model_len`` tokens can use).
+        kv_cache_memory_gib: memory for the KV cache when ``num_kv_blocks`` is None.
+        dtype: weights and activations, "float32" (CPU default), "bfloat16" (CUDA default) or "float16".
+        device: "cpu", "cuda", "cuda:N"; None picks CUDA when available.
+        seed: seed of the sampler for requests without their own seed.
+    Raises:
+        ValueError: a field out of range, with the fix in the message.
+    """
+
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gib: float = 0.5
+    dtype: str | None = None
+    device: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+        for name in ("max_model_len", "num_kv_blocks"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None or an int >= 1; got {value!r}")
+        if not self.kv_cache_memory_gib > 0:
+            raise ValueError(f"kv_cache_memory_gib must be > 0; got {self.kv_cache_memory_gib!r}")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES} or None; got {self.dtype!r}")
+
+    def check_model_len(self, max_model_len: int) -> None:
+        """Checks that need the resolved context length.
+
+        Raises:
+            ValueError: chunked prefill off and a whole prompt of ``max_model_len`` tokens would not fit a step.
+        """
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_model_len={max_model_len} with "
+                f"chunked prefill off, so a long prompt could never be scheduled; raise max_num_batched_tokens, "
+                f"lower max_model_len, or set enable_chunked_prefill=True")

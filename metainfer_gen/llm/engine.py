@@ -1,0 +1,237 @@
+"""The LLM engine: requests in, tokens out, with continuous batching over a paged, prefix-cached KV pool.
+
+    engine = LLMEngine.from_pretrained("path/to/deepseek-v3-checkpoint", EngineConfig(block_size=16))
+    outputs = engine.generate(["The capital of France is"], SamplingParams(max_new_tokens=8, temperature=0))
+    for delta in engine.stream(["Once upon a time"]):   # incremental RequestOutputs
+        print(delta.new_token_ids)
+
+Structure follows nano-vllm (``LLMEngine`` -> ``Scheduler`` + ``BlockManager`` -> ``ModelRunner``); request
+checks and outputs follow vLLM. Correctness reference: transformers' ``generate`` on the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence as SequenceABC
+from pathlib import Path
+
+import torch
+
+from metainfer_gen.llm.block_manager import BlockManager
+from metainfer_gen.llm.config import EngineConfig
+from metainfer_gen.llm.model_runner import ModelRunner, kv_cache_bytes_per_block
+from metainfer_gen.llm.outputs import RequestOutput
+from metainfer_gen.llm.scheduler import Scheduler
+from metainfer_gen.llm.sequence import SamplingParams, Sequence
+
+Prompt = str | SequenceABC[int]
+
+
+class RequestRejected(ValueError):
+    """A request that can never run (too long for the context or the KV pool); other requests are unaffected."""
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model.
+
+    Args:
+        model: engine model (see :mod:`metainfer_gen.llm.models.deepseek_v3`).
+        config: engine settings (already validated).
+        max_model_len: resolved context length.
+        tokenizer: a transformers tokenizer, or None (then prompts must be token ids).
+        eos_token_ids: tokens that end a request.
+    """
+
+    def __init__(self, model, config: EngineConfig, *, max_model_len: int, tokenizer=None,
+                 eos_token_ids: tuple[int, ...] = ()):
+        config.check_model_len(max_model_len)
+        self.model = model
+        self.config = config
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        num_blocks = config.num_kv_blocks or self._blocks_for_memory()
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   enable_chunked_prefill=config.enable_chunked_prefill,
+                                   max_model_len=max_model_len, eos_token_ids=eos_token_ids)
+        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size, dtype=self.dtype,
+                                  device=self.device, seed=config.seed)
+        self._requests: dict[str, Sequence] = {}
+
+    # -- construction ---------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path_or_id: str | Path, config: EngineConfig | None = None) -> "LLMEngine":
+        """Load a checkpoint directory (or hub id): config.json, safetensors, and the tokenizer when present.
+
+        Raises:
+            FileNotFoundError: no such checkpoint. ValueError: unsupported model type or bad settings.
+        """
+        from metainfer_gen.llm.loader import load_config, load_model, resolve_checkpoint
+
+        config = config or EngineConfig()
+        path = resolve_checkpoint(path_or_id)
+        model_config = load_config(path)
+        device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = getattr(torch, config.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+        max_len = config.max_model_len or model_config.max_position_embeddings
+        if max_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
+                             f"{model_config.max_position_embeddings}")
+        model = load_model(path, model_config, dtype=dtype, device=device, max_positions=max_len)
+        tokenizer = _load_tokenizer(path)
+        eos = model_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos_ids.add(tokenizer.eos_token_id)
+        return cls(model, config, max_model_len=max_len, tokenizer=tokenizer, eos_token_ids=tuple(sorted(eos_ids)))
+
+    def _blocks_for_memory(self) -> int:
+        per_block = kv_cache_bytes_per_block(self.model, self.config.block_size, self.dtype)
+        by_memory = int(self.config.kv_cache_memory_gib * 2**30) // per_block
+        useful = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
+        return max(1, min(by_memory, useful))
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.block_manager.num_blocks * self.config.block_size
+
+    # -- requests -------------------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer; pass prompts as lists of token ids")
+            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return [int(t) for t in prompt]
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; returns its id.
+
+        Raises:
+            ValueError: empty prompt, duplicate id, or token ids outside the vocabulary.
+            RequestRejected: the prompt (plus at least one new token) exceeds ``max_model_len``, or the prompt plus
+                ``max_new_tokens`` can never fit the KV pool.
+        """
+        params = params or SamplingParams()
+        token_ids = self.encode(prompt)
+        self._check_tokens(token_ids)
+        if request_id is not None and request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if len(token_ids) >= self.max_model_len:
+            raise RequestRejected(f"prompt of {len(token_ids)} tokens leaves no room to generate within "
+                                  f"max_model_len={self.max_model_len}; shorten it below {self.max_model_len} tokens")
+        total = min(len(token_ids) + params.max_new_tokens, self.max_model_len)
+        if total > self.kv_capacity_tokens:
+            raise RequestRejected(f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                                  f"needs {total} tokens of KV cache but the pool holds {self.kv_capacity_tokens} "
+                                  f"({self.block_manager.num_blocks} blocks of {self.config.block_size}); lower "
+                                  f"max_new_tokens or give the engine more KV memory")
+        seq = Sequence(token_ids, params, request_id=request_id or "")
+        self._requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def abort(self, request_id: str) -> None:
+        seq = self._requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.abort(seq)
+            self.runner.release(seq)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- running --------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step + forward. Returns an output for every request that got a token this step."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled = self.runner.run(out)
+        now = time.perf_counter()
+        finished = {s.seq_id for s in self.scheduler.update(out, sampled, now)}
+        outputs = []
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.seq_id not in sampled:
+                continue
+            outputs.append(RequestOutput.from_sequence(seq, [sampled[seq.seq_id]], self._detokenize(seq)
+                                                       if seq.seq_id in finished else ""))
+            if seq.seq_id in finished:
+                self._requests.pop(seq.request_id, None)
+                self.runner.release(seq)
+        return outputs
+
+    def stream(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
+               ) -> Iterator[RequestOutput]:
+        """Add ``prompts`` and yield each request's output every time it gains a token (refusals first)."""
+        order, refused = self._add_all(prompts, params)
+        yield from self._run(set(order), refused)
+
+    def _run(self, ids: set[str], refused: list[RequestOutput]) -> Iterator[RequestOutput]:
+        yield from refused
+        while self.has_unfinished_requests:
+            for output in self.step():
+                if output.request_id in ids:
+                    yield output
+
+    def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion; outputs in prompt order. A prompt that can never fit gets an output
+        with ``finish_reason`` "error" and the reason, while the others run.
+
+        Raises:
+            ValueError: an empty prompt or bad ids (before any work), mismatched ``params`` list.
+        """
+        order, refused = self._add_all(prompts, params)
+        final = {o.request_id: o for o in self._run(set(order), refused) if o.finished}
+        return [final[i] for i in order]
+
+    def _add_all(self, prompts, params) -> tuple[list[str], list[RequestOutput]]:
+        """Check every prompt first (nothing is queued if one is malformed), then queue them in order."""
+        if isinstance(prompts, str) or not isinstance(prompts, SequenceABC):
+            raise TypeError("prompts must be a list of strings or of token-id lists")
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(
+            prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        encoded = [self.encode(p) for p in prompts]
+        for i, ids in enumerate(encoded):
+            try:
+                self._check_tokens(ids)
+            except ValueError as err:
+                raise ValueError(f"prompt {i}: {err}") from None
+        order, refused = [], []
+        for ids, p in zip(encoded, params_list):
+            try:
+                order.append(self.add_request(ids, p))
+            except RequestRejected as err:
+                rid = f"refused-{len(order)}-{id(err)}"
+                order.append(rid)
+                refused.append(RequestOutput.refused(rid, ids, str(err)))
+        return order, refused
+
+    def _check_tokens(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("empty prompt: give at least one token")
+        vocab = self.model.config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got min {min(token_ids)}, "
+                             f"max {max(token_ids)}")
+
+    def _detokenize(self, seq: Sequence) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+
+
+def _load_tokenizer(path: Path):
+    """The checkpoint's tokenizer, or None when it ships none."""
+    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

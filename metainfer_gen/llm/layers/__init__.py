@@ -1,0 +1,1 @@
+"""Model building blocks for the engine: MLA attention, MoE, norms."""

@@ -1,0 +1,113 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3) over a paged latent KV cache.
+
+Per token the cache holds one row of ``kv_lora_rank + qk_rope_head_dim`` values: the normalised latent ``c_kv``
+and the rotated shared key ``k_pe`` (DeepSeek-V2 paper, arXiv:2405.04434, section 2.1; 576 values for V3).
+Two equivalent ways to attend (paper eq. 9-11 and its "absorb" remark; vLLM ``MLACommonImpl``):
+
+- expanded (prefill): ``kv_b_proj`` turns the context's latents into per-head ``k_nope`` and ``v``, then
+  ordinary causal attention. Numerically the closest to Hugging Face transformers' ``DeepseekV3Attention``.
+- absorbed (decode): ``q_nope`` is multiplied into ``W_UK`` (the key half of ``kv_b_proj``) so scores are taken
+  against the latents directly, and ``W_UV`` is applied after the weighted sum. Per decode token this reads the
+  576-wide cache row once instead of expanding ``num_heads * (qk_nope + v)`` values per context token.
+
+Module names mirror the Hugging Face checkpoint (``q_a_proj``, ``kv_a_proj_with_mqa``, ...) so weights load by
+name. Shapes: T = new tokens in the step, N = heads, r = kv_lora_rank, dn/dr/dv = nope/rope/value head dims.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from metainfer_gen import kernels
+from metainfer_gen.llm.attention_metadata import AttentionMetadata
+from metainfer_gen.llm.layers.norm import RMSNorm
+
+
+class MLAttention(nn.Module):
+    """MLA with a paged latent cache; ``config`` is a transformers ``DeepseekV3Config``."""
+
+    def __init__(self, config, layer_idx: int, softmax_scale: float):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        self.rope_interleave = bool(getattr(config, "rope_interleave", True))
+        self.softmax_scale = softmax_scale
+        hidden, bias = config.hidden_size, bool(config.attention_bias)
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, self.num_heads * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank)  # eps 1e-6 as in transformers, not rms_norm_eps
+            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
+                                   bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=bias)
+
+    @property
+    def cache_row_size(self) -> int:
+        """Values per token in this layer's cache (576 for DeepSeek-V3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """x (T, hidden); cos/sin (T, dr/2) float32 tables at each token's position; kv_cache
+        (num_blocks, block_size, 1, r + dr). Writes the new tokens' latents, returns (T, hidden)."""
+        num_tokens = x.shape[0]
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(num_tokens, self.num_heads, self.qk_head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        site = f"layers.{self.layer_idx}.self_attn"
+        q_pe = kernels.rope(q_pe.contiguous(), cos, sin, interleaved=self.rope_interleave, site=site)
+        k_pe = kernels.rope(k_pe.reshape(num_tokens, 1, -1).contiguous(), cos, sin,
+                            interleaved=self.rope_interleave, site=site)
+        latent = torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1)  # (T, 1, r + dr)
+        kernels.store_kv_cache(latent.to(kv_cache.dtype), None, kv_cache, None, meta.slot_mapping, site=site)
+
+        out = x.new_empty(num_tokens, self.num_heads, self.v_head_dim)
+        cache_rows = kv_cache.view(-1, self.cache_row_size)
+        if meta.decode_rows:
+            tokens = meta.decode_tokens
+            out[tokens] = self._absorbed(q_nope[tokens], q_pe[tokens], cache_rows, meta)
+        offsets = meta.query_offsets
+        for row, slots in zip(meta.prefill_rows, meta.prefill_slots):
+            lo, hi = offsets[row], offsets[row + 1]
+            out[lo:hi] = self._expanded(q_nope[lo:hi], q_pe[lo:hi], cache_rows[slots], meta.starts[row])
+        return self.o_proj(out.flatten(1))
+
+    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, context: torch.Tensor, start: int) -> torch.Tensor:
+        """Causal attention of n queries at positions start.. over L = start + n context rows (L, r + dr)."""
+        c_kv, k_pe = context.to(q_nope.dtype).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(c_kv).view(-1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # (L, N, dn), (L, N, dv)
+        scores = torch.einsum("qnd,knd->nqk", q_nope, k_nope) + torch.einsum("qnd,kd->nqk", q_pe, k_pe)
+        n, length = q_nope.shape[0], context.shape[0]
+        query_pos = torch.arange(start, start + n, device=q_nope.device)
+        causal = torch.arange(length, device=q_nope.device)[None, :] <= query_pos[:, None]  # (n, L)
+        scores = (scores.float() * self.softmax_scale).masked_fill(~causal, float("-inf"))
+        probs = scores.softmax(-1).to(v.dtype)
+        return torch.einsum("nqk,knd->qnd", probs, v)
+
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache_rows: torch.Tensor,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """One query per row (B rows) over each row's padded context; returns (B, N, dv)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w_uk, w_uv = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)  # (N, dn, r), (N, dv, r)
+        q_latent = torch.einsum("bnd,ndr->bnr", q_nope, w_uk)
+        context = cache_rows[meta.decode_slots].to(q_nope.dtype)  # (B, L, r + dr)
+        c_kv, k_pe = context.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        scores = torch.einsum("bnr,blr->bnl", q_latent, c_kv) + torch.einsum("bnd,bld->bnl", q_pe, k_pe)
+        scores = (scores.float() * self.softmax_scale).masked_fill(~meta.decode_valid[:, None, :], float("-inf"))
+        probs = scores.softmax(-1).to(c_kv.dtype)
+        out_latent = torch.einsum("bnl,blr->bnr", probs, c_kv)
+        return torch.einsum("bnr,nvr->bnv", out_latent, w_uv)

@@ -1,0 +1,80 @@
+"""DeepSeek-V3 feed-forward layers: the dense SwiGLU MLP and the mixture of experts with grouped top-k routing.
+
+Routing (DeepSeek-V3 report, arXiv:2412.19437, section 2.1.2; transformers ``DeepseekV3TopkRouter``): sigmoid
+affinities plus a load-balancing bias choose experts, but only within the ``topk_group`` best of ``n_group``
+groups (a group's score is the sum of its two best biased affinities); the chosen experts are weighted by their
+*unbiased* affinities, normalised when ``norm_topk_prob``, times ``routed_scaling_factor``. Shared experts run on
+every token. Experts are one ``nn.Module`` each, named as checkpoints store them (``experts.N.gate_proj``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TopKRouter(nn.Module):
+    """Grouped top-k gate; parameters ``weight`` (E, hidden) and ``e_score_correction_bias`` (E,), float32."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.top_k = config.num_experts_per_tok
+        self.num_groups = config.n_group
+        self.topk_group = config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        if self.num_experts % self.num_groups:
+            raise ValueError(f"n_routed_experts={self.num_experts} must be divisible by n_group={self.num_groups}")
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, hidden) -> (weights (T, k) float32, expert ids (T, k) int64)."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        biased = scores + self.e_score_correction_bias
+        grouped = biased.view(-1, self.num_groups, self.num_experts // self.num_groups)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(-1)  # (T, n_group)
+        group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
+        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, self.num_experts)
+        ids = biased.masked_fill(~expert_mask, float("-inf")).topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+
+class MoE(nn.Module):
+    """Routed experts + shared experts; ``forward`` (T, hidden) -> (T, hidden)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate = TopKRouter(config)
+        self.experts = nn.ModuleList(MLP(config.hidden_size, config.moe_intermediate_size)
+                                     for _ in range(config.n_routed_experts))
+        self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = torch.zeros_like(x)
+        # Loop over the experts that received tokens (a grouped GEMM on GPU is the FP8 issue's business).
+        for expert_id in ids.unique().tolist():
+            tokens, slots = torch.where(ids == expert_id)
+            y = self.experts[expert_id](x[tokens]) * weights[tokens, slots, None]
+            out.index_add_(0, tokens, y.to(x.dtype))
+        return out + self.shared_experts(x)

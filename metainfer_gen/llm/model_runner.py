@@ -1,0 +1,78 @@
+"""Owns the device: the model, the paged KV cache tensors, and one forward + sample per engine step.
+
+nano-vllm's ``engine/model_runner.py`` split: the scheduler decides *what* runs; the runner turns that into
+flat input tensors and attention metadata, runs the model, computes logits only for the rows that sample, and
+samples. CUDA graphs and tensor parallelism arrive with their issues and stay out of this file.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metainfer_gen.llm.attention_metadata import AttentionMetadata
+from metainfer_gen.llm.sampler import sample
+from metainfer_gen.llm.scheduler import SchedulerOutput
+
+
+def kv_cache_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes across all layers (MLA latent rows: kv_lora_rank + qk_rope_head_dim values)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return len(model.model.layers) * block_size * model.cache_row_size * element
+
+
+class ModelRunner:
+    """Runs scheduled batches.
+
+    Args:
+        model: the engine model (``forward(input_ids, meta, kv_caches)``, ``compute_logits``).
+        num_blocks, block_size: KV pool geometry.
+        dtype, device: of the cache (the model's).
+        seed: generator seed for requests without their own.
+    """
+
+    def __init__(self, model, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 seed: int = 0):
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        row = model.cache_row_size
+        self.kv_caches = [torch.zeros(num_blocks, block_size, 1, row, dtype=dtype, device=device)
+                          for _ in model.model.layers]
+        self._default_generator = torch.Generator().manual_seed(seed)
+        self._generators: dict[int, torch.Generator] = {}
+
+    def generator_for(self, seq) -> torch.Generator:
+        if seq.params.seed is None:
+            return self._default_generator
+        gen = self._generators.get(seq.seq_id)
+        if gen is None:
+            gen = self._generators[seq.seq_id] = torch.Generator().manual_seed(seq.params.seed)
+        return gen
+
+    def release(self, seq) -> None:
+        """Forget a finished sequence's generator."""
+        self._generators.pop(seq.seq_id, None)
+
+    def build_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata]:
+        ids: list[int] = []
+        for item in out.scheduled:
+            ids.extend(item.seq.token_ids[item.start: item.start + item.num_tokens])
+        meta = AttentionMetadata.build([i.start for i in out.scheduled], [i.num_tokens for i in out.scheduled],
+                                       [i.seq.block_table for i in out.scheduled], self.block_size, self.device)
+        return torch.tensor(ids, dtype=torch.long, device=self.device), meta
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> dict[int, int]:
+        """Forward the step and sample; returns ``seq_id -> token`` for the sequences that sample."""
+        input_ids, meta = self.build_inputs(out)
+        hidden = self.model(input_ids, meta, self.kv_caches)
+        offsets = meta.query_offsets
+        rows = [i for i, item in enumerate(out.scheduled) if item.sample]
+        if not rows:
+            return {}
+        last = torch.tensor([offsets[i + 1] - 1 for i in rows], dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[last])
+        seqs = [out.scheduled[i].seq for i in rows]
+        tokens = sample(logits, [s.params for s in seqs],
+                        [None if s.params.greedy else self.generator_for(s) for s in seqs])
+        return {s.seq_id: t for s, t in zip(seqs, tokens)}

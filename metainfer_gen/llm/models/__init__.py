@@ -1,0 +1,1 @@
+"""Engine model implementations, loaded from Hugging Face checkpoints."""

@@ -1,0 +1,48 @@
+"""What the engine returns per request (vLLM's ``RequestOutput``, flattened to one completion)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from metainfer_gen.llm.sequence import FinishReason, Sequence
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One request's result so far.
+
+    Attributes:
+        request_id: as given to ``add_request`` (or assigned).
+        prompt_token_ids, token_ids: prompt and generated token ids.
+        text: decoded ``token_ids`` when the engine has a tokenizer, else "".
+        finished: True once the request ended; ``finish_reason`` then says why ("stop", "length", "error").
+        error: why the request was refused (``finish_reason`` "error"), else None.
+        new_token_ids: tokens added by the step that produced this output (streaming).
+        ttft: seconds from arrival to the first token; mean_token_latency: seconds per later token (TPOT).
+        num_cached_tokens: prompt tokens served from the prefix cache; num_preemptions: times recomputed.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    text: str = ""
+    error: str | None = None
+    new_token_ids: list[int] = field(default_factory=list)
+    ttft: float | None = None
+    mean_token_latency: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @classmethod
+    def from_sequence(cls, seq: Sequence, new_token_ids: list[int], text: str = "") -> "RequestOutput":
+        return cls(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+                   token_ids=seq.output_token_ids, finished=seq.is_finished, finish_reason=seq.finish_reason,
+                   text=text, new_token_ids=new_token_ids, ttft=seq.ttft, mean_token_latency=seq.mean_token_latency,
+                   num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions)
+
+    @classmethod
+    def refused(cls, request_id: str, prompt_token_ids: list[int], error: str) -> "RequestOutput":
+        return cls(request_id=request_id, prompt_token_ids=prompt_token_ids, token_ids=[], finished=True,
+                   finish_reason=FinishReason.ERROR, error=error)
