@@ -8,6 +8,7 @@ browser-playable MP4. Accelerators (step cache, LoRA, fused kernels) attach to t
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 from typing import Any
 
 from metainfer_gen.pipelines.loading import load_diffusers_pipeline
@@ -29,6 +30,7 @@ class VideoPipelineBase:
         self.source = source
         self.rules = VideoRules.from_pipeline(pipe)
         self.last_audit = None  # kernels.Audit of the last call: which kernel paths ran, and why others were refused
+        self.step_cache = None  # the enabled video.cache.CachePolicy, or None
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path=None, *, torch_dtype=None, device: str | None = None,
@@ -62,7 +64,9 @@ class VideoPipelineBase:
         progress = getattr(other.diffusers_pipeline, "_progress_bar_config", None)
         if progress and pipe is not other.diffusers_pipeline:
             pipe.set_progress_bar_config(**progress)
-        return cls(pipe, settings=other.settings, source=other.source)
+        new = cls(pipe, settings=other.settings, source=other.source)
+        new.step_cache = other.step_cache  # same transformer objects: the hooks are already on them
+        return new
 
     @property
     def device(self) -> str:
@@ -100,6 +104,35 @@ class VideoPipelineBase:
         for model in self.transformers:
             unfuse_kernels(model)
 
+    def enable_step_cache(self, cache: Any = "auto") -> None:
+        """Reuse transformer work across denoising steps.
+
+        Args:
+            cache: ``"auto"`` (ours, balanced), ``"quality"`` / ``"fast"`` (ours, careful / aggressive),
+                ``"auto=0.2"`` (ours with that error budget), a ``video.cache.StepCacheConfig``, or a baseline for
+                comparison: ``"fbcache[=threshold]"``, ``"magcache[=threshold]"``, ``"taylorseer[=interval]"``,
+                ``"dbcache[=threshold]"`` (needs cache-dit). ``"off"`` does nothing.
+        Raises:
+            ValueError: a cache is already enabled (call :meth:`disable_step_cache` first), or a bad spec.
+        Each call's ``out.stats.cache`` then reports what the cache did; ``out.stats.block_evaluations`` counts
+        the blocks that ran.
+        """
+        from metainfer_gen.video.cache import make_policy
+
+        if self.step_cache is not None:
+            raise ValueError(f"a step cache ({self.step_cache.name}) is already enabled; call disable_step_cache() "
+                             "first")
+        policy = make_policy(cache)
+        if policy is not None:
+            policy.apply(self.diffusers_pipeline)
+        self.step_cache = policy
+
+    def disable_step_cache(self) -> None:
+        """Remove the step cache; calls then compute exactly as without it. No-op when none is enabled."""
+        if self.step_cache is not None:
+            self.step_cache.remove(self.diffusers_pipeline)
+        self.step_cache = None
+
     def set_progress_bar_config(self, **kwargs) -> None:
         """Forwarded to diffusers (e.g. ``disable=True`` to silence the per-step bar)."""
         self.diffusers_pipeline.set_progress_bar_config(**kwargs)
@@ -108,15 +141,21 @@ class VideoPipelineBase:
         import torch
 
         from metainfer_gen.kernels import audit
+        from metainfer_gen.video.cache import count_block_evaluations
 
         if generator is None and seed is not None:
             if isinstance(seed, bool) or not isinstance(seed, int):
                 raise TypeError(f"seed must be an int; got {seed!r}")
             generator = torch.Generator(device="cpu").manual_seed(seed)
-        with audit() as report, measure(self.transformers, self.device) as stats, torch.inference_mode():
+        steps = call_kwargs["num_inference_steps"]
+        session = self.step_cache.session(self.diffusers_pipeline, steps) if self.step_cache else nullcontext(None)
+        with audit() as report, measure(self.transformers, self.device) as stats, torch.inference_mode(), \
+                count_block_evaluations(self.transformers) as blocks, session as cache_report:
             result = self.diffusers_pipeline(**call_kwargs, generator=generator, output_type="np")
         self.last_audit = report
-        stats.num_inference_steps = call_kwargs["num_inference_steps"]
+        stats.num_inference_steps = steps
+        stats.block_evaluations = blocks.num_evaluations
+        stats.cache = cache_report
         fps = float(self.settings.get("fps", 8.0))
         return [VideoOutput(to_uint8_frames(v), stats, dict(settings), fps=fps) for v in result.frames]
 

@@ -27,6 +27,9 @@ class GenerationStats:
         peak_memory_mb: on CUDA, peak allocated device memory during the call; on CPU, the process's peak
             resident set size so far (the OS reports no per-call peak), in MiB.
         device: the device the transformer ran on.
+        block_evaluations: transformer blocks actually run, summed over calls (a cached step skips most).
+        cache: what the step-cache policy did (``StepCacheStats.to_dict()`` for ours: per step and branch,
+            computed or reused, signal, budget); None when no cache is enabled.
     """
 
     seconds: float = 0.0
@@ -34,6 +37,8 @@ class GenerationStats:
     transformer_calls: int = 0
     peak_memory_mb: float = 0.0
     device: str = "cpu"
+    block_evaluations: int = 0
+    cache: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,0 +1,35 @@
+"""State-driven step-cache reuse for video diffusion transformers (diffusers hook pattern).
+
+    from metainfer_gen.video.cache import StepCacheConfig, apply_step_cache, remove_step_cache
+
+Pipelines use it through ``pipe.enable_step_cache("auto" | "fast" | StepCacheConfig(...) | "fbcache" ...)``.
+Names load lazily: importing this package imports neither torch nor diffusers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_EXPORTS = {
+    "StepCacheConfig": "metainfer_gen.video.cache.config",
+    "PRESETS": "metainfer_gen.video.cache.config",
+    "apply_step_cache": "metainfer_gen.video.cache.apply",
+    "remove_step_cache": "metainfer_gen.video.cache.apply",
+    "is_step_cache_enabled": "metainfer_gen.video.cache.apply",
+    "get_step_cache_stats": "metainfer_gen.video.cache.apply",
+    "StepCacheStats": "metainfer_gen.video.cache.stats",
+    "StepRecord": "metainfer_gen.video.cache.stats",
+    "CachePolicy": "metainfer_gen.video.cache.policies",
+    "make_policy": "metainfer_gen.video.cache.policies",
+    "policy_names": "metainfer_gen.video.cache.policies",
+    "count_block_evaluations": "metainfer_gen.video.cache.counting",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'metainfer_gen.video.cache' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

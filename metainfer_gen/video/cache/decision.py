@@ -1,0 +1,118 @@
+"""The step-cache decision, as plain Python bookkeeping (no tensors): reuse or compute, and online calibration.
+
+Per CFG branch, :class:`BranchBook` keeps what the decision needs: how many steps were computed, the current run
+of reused steps, the signal accumulated since the last computed step, and the fitted ratios that map that signal
+to the relative change of the full residual. The tensor side (``hooks.py``) measures the numbers; this file
+decides. The error model follows TeaCache/MagCache (accumulate a per-step estimate until a threshold) but fits
+its single coefficient online from the steps it computes, instead of polynomials fitted by hand per model.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from metainfer_gen.video.cache.config import StepCacheConfig
+
+_TINY = 1e-12
+
+
+class Reason(str, enum.Enum):
+    """Why a step was computed or reused (stored in the stats as its value)."""
+
+    WARMUP = "warm-up"
+    NO_SIGNAL = "no previous step"
+    CALIBRATING = "calibrating"
+    LAST_STEP = "last step"
+    REUSE_CAP = "reuse cap"
+    OVER_BUDGET = "over budget"
+    DISABLED = "disabled"
+    WITHIN_BUDGET = "within budget"
+
+
+@dataclass(slots=True)
+class Decision:
+    """Outcome for one step of one branch. ``predicted_error`` is the accumulated estimate if reused."""
+
+    reuse: bool
+    reason: Reason
+    predicted_error: float | None = None
+    extrapolate: bool = False
+
+
+@dataclass(slots=True)
+class BranchBook:
+    """Decision state of one CFG branch of one transformer; ``reset()`` between generations."""
+
+    num_computed: int = 0
+    consecutive_reuses: int = 0
+    signal_since_compute: float = 0.0
+    error_since_compute: float = 0.0
+    reuse_ratio: float | None = None  # relative residual change per unit of signal, plain reuse
+    extrapolation_ratio: float | None = None  # the same for the first-order extrapolation's error
+    pending_signal: float = 0.0  # signal accumulated up to the step being computed, for the refit
+
+    def reset(self) -> None:
+        self.num_computed = self.consecutive_reuses = 0
+        self.signal_since_compute = self.error_since_compute = 0.0
+        self.reuse_ratio = self.extrapolation_ratio = None
+        self.pending_signal = 0.0
+
+    def decide(self, config: StepCacheConfig, step: int, num_steps: int | None, signal: float | None,
+               can_extrapolate: bool) -> Decision:
+        """Decide for ``step`` (0-based) of ``num_steps`` (None when unknown) given this step's ``signal``."""
+        if signal is None:
+            return self._compute(Reason.NO_SIGNAL)
+        signal_total = self.signal_since_compute + signal
+        if self.num_computed < config.num_warmup_steps:
+            return self._compute(Reason.WARMUP, signal_total)
+        if config.compute_last_step and num_steps is not None and step >= num_steps - 1:
+            return self._compute(Reason.LAST_STEP, signal_total)
+        if self.reuse_ratio is None:
+            return self._compute(Reason.CALIBRATING, signal_total)
+        if self.consecutive_reuses >= config.max_consecutive_reuses:
+            return self._compute(Reason.REUSE_CAP, signal_total)
+        extrapolate = bool(config.extrapolate and can_extrapolate and self.extrapolation_ratio is not None
+                           and self.extrapolation_ratio < self.reuse_ratio)
+        ratio = self.extrapolation_ratio if extrapolate else self.reuse_ratio
+        predicted = self.error_since_compute + ratio * signal_total
+        if predicted > config.error_budget:
+            return self._compute(Reason.OVER_BUDGET, signal_total, predicted)
+        self.signal_since_compute = signal_total
+        self.error_since_compute = predicted
+        self.consecutive_reuses += 1
+        return Decision(True, Reason.WITHIN_BUDGET, predicted, extrapolate)
+
+    def _compute(self, reason: Reason, signal_total: float = 0.0, predicted: float | None = None) -> Decision:
+        self.pending_signal = signal_total
+        return Decision(False, reason, predicted)
+
+    def computed(self, config: StepCacheConfig, reuse_change: float | None,
+                 extrapolation_change: float | None) -> None:
+        """Record a computed step and refit the ratios.
+
+        Args:
+            reuse_change: measured relative change of the full residual since the last computed step (None on
+                the first computed step or after a shape change).
+            extrapolation_change: measured relative error the first-order extrapolation would have made here
+                (None when fewer than two earlier computed steps exist).
+        """
+        signal = self.pending_signal
+        if signal > _TINY:
+            if reuse_change is not None:
+                self.reuse_ratio = self._blend(self.reuse_ratio, reuse_change / signal, config)
+            if extrapolation_change is not None:
+                self.extrapolation_ratio = self._blend(self.extrapolation_ratio, extrapolation_change / signal,
+                                                       config)
+        self.num_computed += 1
+        self.consecutive_reuses = 0
+        self.signal_since_compute = self.error_since_compute = 0.0
+        self.pending_signal = 0.0
+
+    @staticmethod
+    def _blend(old: float | None, new: float, config: StepCacheConfig) -> float:
+        # A ratio that grows is trusted at once (safer); one that shrinks is blended, so one quiet step
+        # does not open the gate wide.
+        if old is None or new >= old:
+            return new
+        return config.calibration_momentum * old + (1 - config.calibration_momentum) * new

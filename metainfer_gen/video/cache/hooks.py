@@ -1,0 +1,192 @@
+"""The step-cache hooks on a diffusers transformer, and ``apply_step_cache`` / ``remove_step_cache``.
+
+Follows diffusers' ``hooks/first_block_cache.py``: a root hook on the transformer numbers the call (step and CFG
+branch) and selects the branch's state; the head hook runs the first block, measures the signal and decides;
+the other blocks either run or pass their inputs through, and the tail block stores the new residual. Hooks are
+``diffusers.hooks.ModelHook`` objects in each module's ``HookRegistry``, removable by their constant names.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from diffusers.hooks.hooks import CacheContext, HookRegistry, ModelHook, StateManager
+from diffusers.utils.torch_utils import unwrap_module
+
+from metainfer_gen.video.cache.blocks import ENCODER_ARG, HIDDEN_ARG, BlockIO, find_blocks
+from metainfer_gen.video.cache.config import StepCacheConfig
+from metainfer_gen.video.cache.decision import Decision, Reason
+from metainfer_gen.video.cache.state import BranchState, CallTracker, relative_l1
+from metainfer_gen.video.cache.stats import StepCacheStats, StepRecord
+
+ROOT_HOOK = "metainfer_step_cache_root"
+HEAD_HOOK = "metainfer_step_cache_head"
+BLOCK_HOOK = "metainfer_step_cache_block"
+HOOK_NAMES = (ROOT_HOOK, HEAD_HOOK, BLOCK_HOOK)
+
+
+@dataclass(slots=True)
+class _Run:
+    """What the hooks of one transformer share during one forward call."""
+
+    config: StepCacheConfig
+    tracker: CallTracker
+    model: str
+    state: BranchState | None = None
+    step: int = 0
+    branch: str = ""
+    position: float = 0.0
+    reuse: bool = False
+    disabled_reason: str | None = None
+
+    def decide(self, head_residual: torch.Tensor) -> Decision:
+        state = self.state
+        previous = state.head_residual
+        signal = relative_l1(head_residual, previous) if previous is not None else None
+        state.head_residual = head_residual
+        if self.disabled_reason:
+            decision = Decision(False, Reason.DISABLED)
+        else:
+            decision = state.book.decide(self.config, self.step, self.tracker.num_inference_steps, signal,
+                                         can_extrapolate=len(state.history) == 2)
+            if decision.reuse and not state.history:
+                decision = Decision(False, Reason.NO_SIGNAL)
+        self.reuse = decision.reuse
+        self.tracker.current.steps.append(StepRecord(
+            self.step, self.branch, self.model, not decision.reuse, decision.reason.value, signal,
+            decision.predicted_error, self.config.error_budget, decision.extrapolate))
+        return decision
+
+
+def _position(timestep, fallback: float) -> float:
+    if isinstance(timestep, torch.Tensor):
+        return float(timestep.detach().float().max())
+    return float(timestep) if isinstance(timestep, (int, float)) else fallback
+
+
+class StepCacheRootHook(ModelHook):
+    """On the transformer: numbers the call, picks the branch state (per cache context, or per call order when
+    the pipeline opens none), resets it on a shape change, and closes the call's stats on ``reset_state``."""
+
+    _is_stateful = True
+
+    def __init__(self, run: _Run):
+        super().__init__()
+        self.run = run
+        self.state_manager = StateManager(BranchState)
+        self.io: BlockIO | None = None
+        self.plan_key = None  # (steps, scheduler) of the previous call: a change resets every branch state
+
+    def initialize_hook(self, module):
+        self.io = BlockIO(tuple(inspect.signature(type(unwrap_module(module)).forward).parameters)[1:], None, None)
+        return module
+
+    def new_forward(self, module, *args, **kwargs):
+        run, tracker = self.run, self.run.tracker
+        try:
+            context = self.state_manager.context
+        except ValueError:  # the pipeline opened no cache context (e.g. a custom loop): number branches by order
+            context = None
+        if context is not None and context.num_inference_steps and tracker.num_inference_steps is None:
+            tracker.num_inference_steps = int(context.num_inference_steps)
+        hidden = self.io.argument(HIDDEN_ARG, args, kwargs)
+        encoder = self.io.argument(ENCODER_ARG, args, kwargs)
+        position = _position(self.io.argument("timestep", args, kwargs), float(tracker.step + 1))
+        step, branch = tracker.advance(context.name if context is not None else None, position)
+        if context is None:
+            self.state_manager.set_context(CacheContext(branch))
+        try:
+            state = self.state_manager.get_state()
+            state.check_shapes(tuple((tuple(t.shape), t.dtype, t.device) for t in (hidden, encoder)
+                                     if isinstance(t, torch.Tensor)))
+            run.state, run.step, run.branch, run.position, run.reuse = state, step, branch, position, False
+            run.disabled_reason = self._disabled_reason()
+            return self.fn_ref.original_forward(*args, **kwargs)
+        finally:
+            run.state = None
+            if context is None:
+                self.state_manager.set_context(None)
+
+    def _disabled_reason(self) -> str | None:
+        steps, needed = self.run.tracker.num_inference_steps, self.run.config.min_steps_for_reuse()
+        if steps is not None and steps < needed:
+            reason = (f"num_inference_steps={steps} is below {needed}: warm-up ({self.run.config.num_warmup_steps})"
+                      " and the computed last step leave no step to reuse")
+            self.run.tracker.current.disabled_reason = reason
+            return reason
+        return None
+
+    def reset_state(self, module):
+        self.state_manager.reset()
+        self.run.tracker.finish_call()
+        return module
+
+
+class StepCacheHeadHook(ModelHook):
+    """On the first block: always runs it; on a reused step adds the cached residual and skips the rest."""
+
+    def __init__(self, run: _Run):
+        super().__init__()
+        self.run = run
+        self.io: BlockIO | None = None
+
+    def initialize_hook(self, module):
+        self.io = BlockIO.of(unwrap_module(module))
+        return module
+
+    def new_forward(self, module, *args, **kwargs):
+        run = self.run
+        output = self.fn_ref.original_forward(*args, **kwargs)
+        if run.state is None:  # a block called outside the hooked transformer forward
+            return output
+        hidden_in, _ = self.io.inputs(args, kwargs)
+        hidden_out, encoder_out = self.io.outputs(output)
+        decision = run.decide(hidden_out - hidden_in)
+        if not decision.reuse:
+            run.state.head_output = (hidden_out, encoder_out)
+            return output
+        residual, encoder_residual = run.state.estimate(run.position, decision.extrapolate)
+        if encoder_out is not None and encoder_residual is not None:
+            encoder_out = encoder_out + encoder_residual
+        return self.io.pack(hidden_out + residual, encoder_out, like=output)
+
+
+class StepCacheBlockHook(ModelHook):
+    """On every later block: passes inputs through on reused steps; the tail stores the computed residual."""
+
+    def __init__(self, run: _Run, is_tail: bool):
+        super().__init__()
+        self.run = run
+        self.is_tail = is_tail
+        self.io: BlockIO | None = None
+
+    def initialize_hook(self, module):
+        self.io = BlockIO.of(unwrap_module(module))
+        return module
+
+    def new_forward(self, module, *args, **kwargs):
+        run = self.run
+        if run.state is not None and run.reuse:
+            return self.io.pack(*self.io.inputs(args, kwargs))
+        output = self.fn_ref.original_forward(*args, **kwargs)
+        if self.is_tail and run.state is not None and run.state.head_output is not None and not run.disabled_reason:
+            self._store(output)
+        return output
+
+    def _store(self, output) -> None:
+        run = self.run
+        (head, head_encoder), (hidden, encoder) = run.state.head_output, self.io.outputs(output)
+        run.state.head_output = None
+        if hidden.shape != head.shape:
+            run.disabled_reason = f"the last block's output {tuple(hidden.shape)} differs from the first's"
+            return
+        same = encoder is not None and head_encoder is not None and encoder.shape == head_encoder.shape
+        changes = run.state.store(run.position, (hidden - head, encoder - head_encoder if same else None))
+        run.state.book.computed(run.config, *changes)
+
+
+def _root_hook(transformer: torch.nn.Module) -> StepCacheRootHook | None:
+    registry = getattr(transformer, "_diffusers_hook", None)
+    return None if registry is None else registry.get_hook(ROOT_HOOK)

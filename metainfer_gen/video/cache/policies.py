@@ -1,0 +1,166 @@
+"""Cache policies a pipeline can run, by name: ours ("auto", "quality", "balanced", "fast") and the public
+baselines through their own APIs (diffusers FirstBlockCache, MagCache, TaylorSeer; cache-dit DBCache).
+
+A spec is ``name`` or ``name=value``: the value is our error budget, FirstBlockCache's / MagCache's / DBCache's
+threshold, or TaylorSeer's cache interval. Each policy applies to a diffusers pipeline's transformer(s), wraps
+every call in :meth:`CachePolicy.session` (step count in, stats out) and removes itself completely.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+from metainfer_gen.video.cache.config import PRESETS, StepCacheConfig
+
+OFF = "off"
+
+
+def denoisers(pipe) -> list[tuple[str, Any]]:
+    """``[(attribute name, transformer), ...]`` of a diffusers pipeline: one, or two for Wan 2.2's experts."""
+    names = ("transformer", "transformer_2")
+    return [(n, getattr(pipe, n)) for n in names if getattr(pipe, n, None) is not None]
+
+
+class CachePolicy:
+    """Base: ``apply`` once, ``session`` around every call, ``remove`` once. Subclasses set ``name``."""
+
+    name = ""
+
+    def apply(self, pipe) -> None:
+        raise NotImplementedError
+
+    def remove(self, pipe) -> None:
+        raise NotImplementedError
+
+    @contextmanager
+    def session(self, pipe, num_inference_steps: int) -> Iterator[dict[str, Any]]:
+        """Around one pipeline call; the yielded dict holds the call's cache stats afterwards."""
+        report: dict[str, Any] = {"policy": self.name}
+        try:
+            yield report
+        finally:
+            for _, model in denoisers(pipe):  # no state may leak into the next call (shape/steps may change)
+                from diffusers.hooks import HookRegistry
+
+                HookRegistry.check_if_exists_or_initialize(model).reset_stateful_hooks()
+
+
+class StepCachePolicy(CachePolicy):
+    """Ours: :func:`~metainfer_gen.video.cache.apply.apply_step_cache` on each transformer, one shared tracker."""
+
+    def __init__(self, config: StepCacheConfig, name: str = "auto"):
+        self.config, self.name = config, name
+
+    def apply(self, pipe) -> None:
+        from metainfer_gen.video.cache.apply import apply_step_cache
+        from metainfer_gen.video.cache.state import CallTracker
+
+        tracker = CallTracker(policy=self.name)
+        tracker.current.policy = self.name
+        for attribute, model in denoisers(pipe):
+            apply_step_cache(model, self.config, tracker=tracker, model_name=attribute)
+
+    def remove(self, pipe) -> None:
+        from metainfer_gen.video.cache.apply import is_step_cache_enabled, remove_step_cache
+
+        for _, model in denoisers(pipe):
+            if is_step_cache_enabled(model):
+                remove_step_cache(model)
+
+    @contextmanager
+    def session(self, pipe, num_inference_steps: int) -> Iterator[dict[str, Any]]:
+        from metainfer_gen.video.cache.apply import begin_step_cache_call, end_step_cache_call
+
+        scheduler = getattr(pipe, "scheduler", None)
+        plan = (num_inference_steps, type(scheduler).__name__, repr(sorted(dict(getattr(scheduler, "config", {})
+                                                                                 ).items())))
+        models = [model for _, model in denoisers(pipe)]
+        for model in models:
+            begin_step_cache_call(model, num_inference_steps, plan)
+        report: dict[str, Any] = {"policy": self.name}
+        try:
+            yield report
+        finally:
+            stats = [end_step_cache_call(model) for model in models]
+            if stats and stats[0] is not None:
+                report.update(stats[0].to_dict())
+
+
+class DiffusersCachePolicy(CachePolicy):
+    """A diffusers cache hook through ``transformer.enable_cache(config)`` / ``disable_cache()``.
+
+    ``make_config(transformer, num_inference_steps)`` builds the config; when it depends on the step count
+    (MagCache) the hooks are re-applied for a call with a different count.
+    """
+
+    def __init__(self, name: str, make_config: Callable[[Any, int | None], Any], per_steps: bool = False):
+        self.name, self.make_config, self.per_steps = name, make_config, per_steps
+        self.applied_steps: int | None = None
+
+    def apply(self, pipe, num_inference_steps: int | None = None) -> None:
+        for _, model in denoisers(pipe):
+            if not hasattr(model, "enable_cache"):
+                raise ValueError(f"{type(model).__name__} has no diffusers enable_cache(): cannot run {self.name}")
+            model.enable_cache(self.make_config(model, num_inference_steps))
+        self.applied_steps = num_inference_steps
+
+    def remove(self, pipe) -> None:
+        for _, model in denoisers(pipe):
+            if getattr(model, "is_cache_enabled", False):
+                model.disable_cache()
+
+    @contextmanager
+    def session(self, pipe, num_inference_steps: int) -> Iterator[dict[str, Any]]:
+        if self.per_steps and num_inference_steps != self.applied_steps:
+            self.remove(pipe)
+            self.apply(pipe, num_inference_steps)
+        with super().session(pipe, num_inference_steps) as report:
+            yield report
+
+
+def parse_spec(spec: str) -> tuple[str, float | None]:
+    """``"fbcache=0.1"`` -> ("fbcache", 0.1); ``"auto"`` -> ("auto", None).
+
+    Raises:
+        ValueError: an unknown name or a value that is not a number.
+    """
+    name, _, text = spec.strip().lower().partition("=")
+    if name not in policy_names():
+        raise ValueError(f"unknown cache policy {spec!r}; choose one of {policy_names()} (optionally name=value)")
+    if not text:
+        return name, None
+    try:
+        return name, float(text)
+    except ValueError:
+        raise ValueError(f"cache policy value must be a number, as in 'fbcache=0.1'; got {text!r}") from None
+
+
+def policy_names() -> list[str]:
+    """Every name ``make_policy`` accepts."""
+    from metainfer_gen.video.cache.baselines import BASELINES
+
+    return [OFF, "auto", *PRESETS, *BASELINES]
+
+
+def make_policy(spec: str | StepCacheConfig | CachePolicy) -> CachePolicy | None:
+    """A policy from a spec string, a :class:`StepCacheConfig` or a ready policy; None for ``"off"``.
+
+    Raises:
+        ValueError: unknown name or bad value. TypeError: another type.
+    """
+    from metainfer_gen.video.cache.baselines import BASELINES
+
+    if isinstance(spec, CachePolicy):
+        return spec
+    if isinstance(spec, StepCacheConfig):
+        return StepCachePolicy(spec, name="custom")
+    if not isinstance(spec, str):
+        raise TypeError(f"cache must be a policy name, a StepCacheConfig or a CachePolicy; got {type(spec).__name__}")
+    name, value = parse_spec(spec)
+    if name == OFF:
+        return None
+    if name in BASELINES:
+        return BASELINES[name](value)
+    overrides = {} if value is None else {"error_budget": value}
+    return StepCachePolicy(StepCacheConfig.preset(name, **overrides), name=spec.strip().lower())

@@ -1,0 +1,127 @@
+"""Tensor state of the step cache: one :class:`BranchState` per CFG branch, and the step clock of a call.
+
+A :class:`BranchState` (a diffusers ``BaseState``, kept per cache context by a ``StateManager``) holds the first
+block's last residual, the current step's first-block output and the residuals of the last two computed steps.
+The :class:`CallTracker` is shared by the transformers of one pipeline (Wan 2.2's two experts): it numbers
+steps from the timesteps it sees, so it works whether or not the pipeline opens cache contexts, and it collects
+the per-call stats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import torch
+from diffusers.hooks.hooks import BaseState
+
+from metainfer_gen.video.cache.decision import BranchBook
+from metainfer_gen.video.cache.stats import StepCacheStats
+
+Parts = tuple[torch.Tensor, "torch.Tensor | None"]  # (image-token tensor, text-token tensor or None)
+
+
+def relative_l1(new: torch.Tensor, old: torch.Tensor) -> float:
+    """mean|new - old| / mean|old|, in float32 (one host sync)."""
+    old32 = old.float()
+    return float((new.float() - old32).abs().mean() / old32.abs().mean().clamp_min(1e-12))
+
+
+@dataclass(slots=True)
+class ComputedResidual:
+    """Residual of the blocks after the first, on a computed step. ``position``: timestep (or step) coordinate."""
+
+    position: float
+    parts: Parts
+
+
+class BranchState(BaseState):
+    """Cache of one CFG branch of one transformer; ``reset()`` drops every tensor and the calibration."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.book = BranchBook()
+        self.shape_key: tuple | None = None
+        self.head_residual: torch.Tensor | None = None  # first block's residual on the previous step
+        self.head_output: Parts | None = None  # first block's output on the current (computed) step
+        self.history: list[ComputedResidual] = []  # last two computed residuals, oldest first
+
+    def reset(self) -> None:
+        self.book.reset()
+        self.shape_key = None
+        self.head_residual = self.head_output = None
+        self.history = []
+
+    def check_shapes(self, key: tuple) -> None:
+        """Reset when the inputs' shapes, dtype or device differ from the cached ones (resolution, frames, batch)."""
+        if key != self.shape_key:
+            self.reset()
+            self.shape_key = key
+
+    def estimate(self, position: float, extrapolate: bool) -> Parts:
+        """Residual to add on a reused step: the last computed one, or its first-order extrapolation."""
+        last = self.history[-1]
+        if not (extrapolate and len(self.history) == 2):
+            return last.parts
+        return _extrapolate(self.history[0], last, position)
+
+    def store(self, position: float, parts: Parts) -> tuple[float | None, float | None]:
+        """Keep a computed residual; return (reuse change, extrapolation error) measured against history."""
+        reuse_change = extrapolation_error = None
+        if self.history:
+            last = self.history[-1].parts[0]
+            reuse_change = relative_l1(parts[0], last)
+            if len(self.history) == 2:
+                guess = _extrapolate(self.history[0], self.history[1], position)[0]
+                extrapolation_error = float((parts[0].float() - guess.float()).abs().mean()
+                                            / last.float().abs().mean().clamp_min(1e-12))
+        self.history = [*self.history[-1:], ComputedResidual(position, parts)]
+        return reuse_change, extrapolation_error
+
+
+def _extrapolate(older: ComputedResidual, newer: ComputedResidual, position: float) -> Parts:
+    span = newer.position - older.position
+    if span == 0:
+        return newer.parts
+    weight = (position - newer.position) / span
+
+    def line(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+        return None if a is None or b is None or a.shape != b.shape else b + (b - a) * weight
+
+    return line(older.parts[0], newer.parts[0]), line(older.parts[1], newer.parts[1])
+
+
+@dataclass(slots=True)
+class CallTracker:
+    """Step numbering and stats of one pipeline call, shared by the transformers of a pipeline.
+
+    Attributes:
+        num_inference_steps: steps of the current call when known (set by our pipelines, or read from the cache
+            context diffusers' Wan T2V pipeline opens); None means the last step cannot be singled out.
+    """
+
+    policy: str = "auto"
+    num_inference_steps: int | None = None
+    step: int = -1
+    last_position: float | None = None
+    branches_this_step: list[str] = field(default_factory=list)
+    current: StepCacheStats = field(default_factory=StepCacheStats)
+    last: StepCacheStats | None = None
+
+    def advance(self, context_name: str | None, position: float) -> tuple[int, str]:
+        """Number the call: a new timestep (or a branch seen twice at one timestep) starts a new step."""
+        branch = context_name if context_name is not None else f"branch{len(self.branches_this_step)}"
+        if position != self.last_position or branch in self.branches_this_step:
+            self.step += 1
+            self.branches_this_step = []
+            branch = context_name if context_name is not None else "branch0"
+        self.last_position = position
+        self.branches_this_step.append(branch)
+        return self.step, branch
+
+    def finish_call(self) -> None:
+        """Close the call: its stats become ``last``; the clock restarts."""
+        if self.current.steps or self.current.disabled_reason:
+            self.current.num_inference_steps = self.num_inference_steps
+            self.last = self.current
+        self.current = StepCacheStats(policy=self.policy)
+        self.step, self.last_position, self.branches_this_step = -1, None, []
+        self.num_inference_steps = None  # the next call states its own (a stale count would misplace the last step)

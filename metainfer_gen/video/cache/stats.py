@@ -1,0 +1,65 @@
+"""What the step cache did in one generation: one record per step and branch, and totals (plain data)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One transformer call of one CFG branch.
+
+    Attributes:
+        step: denoising step index (0-based, counted across Wan 2.2's two experts).
+        branch: cache context name ("cond", "uncond", "cond_uncond") or "branch<k>" when the pipeline sets none.
+        model: which transformer ran it ("transformer" or "transformer_2").
+        computed: True when all blocks ran; False when the cached residual was reused.
+        reason: why (see ``decision.Reason``). signal: relative L1 change of the first block's residual (None on
+            a branch's first step). predicted_error: accumulated predicted error if reused. budget: the budget.
+        extrapolated: the reused residual was extrapolated from the last two computed steps.
+    """
+
+    step: int
+    branch: str
+    model: str
+    computed: bool
+    reason: str
+    signal: float | None
+    predicted_error: float | None
+    budget: float
+    extrapolated: bool = False
+
+
+@dataclass(slots=True)
+class StepCacheStats:
+    """Per-call report of a step-cache policy (``VideoOutput.stats.cache``).
+
+    Attributes:
+        policy: policy name ("auto", "fbcache", ...). num_inference_steps: steps of the call (None if unknown).
+        disabled_reason: why the cache stood aside for the whole call (e.g. too few steps), else None.
+        steps: one :class:`StepRecord` per transformer call (empty for the baseline policies, which report none).
+    """
+
+    policy: str = "auto"
+    num_inference_steps: int | None = None
+    disabled_reason: str | None = None
+    steps: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def num_computed(self) -> int:
+        return sum(record.computed for record in self.steps)
+
+    @property
+    def num_reused(self) -> int:
+        return sum(not record.computed for record in self.steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the fields plus the computed/reused counts per branch."""
+        per_branch: dict[str, dict[str, int]] = {}
+        for record in self.steps:
+            counts = per_branch.setdefault(record.branch, {"computed": 0, "reused": 0})
+            counts["computed" if record.computed else "reused"] += 1
+        data = asdict(self)
+        data.update(num_computed=self.num_computed, num_reused=self.num_reused, per_branch=per_branch)
+        return data
