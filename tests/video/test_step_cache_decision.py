@@ -1,0 +1,117 @@
+"""The step-cache bookkeeping on its own: config validation, the reuse decision, calibration, stats, policy specs."""
+
+from __future__ import annotations
+
+import pytest
+
+from metainfer_gen.video.cache.config import PRESETS, StepCacheConfig
+from metainfer_gen.video.cache.decision import BranchBook, Reason
+from metainfer_gen.video.cache.policies import make_policy, parse_spec, policy_names
+from metainfer_gen.video.cache.stats import StepCacheStats, StepRecord
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(error_budget=0), "error_budget"), (dict(error_budget=-1.0), "error_budget"),
+    (dict(error_budget=float("nan")), "error_budget"), (dict(error_budget=True), "error_budget"),
+    (dict(num_warmup_steps=0), "num_warmup_steps"), (dict(num_warmup_steps=1.5), "num_warmup_steps"),
+    (dict(max_consecutive_reuses=0), "max_consecutive_reuses"), (dict(extrapolate="yes"), "extrapolate"),
+    (dict(calibration_momentum=1.0), "calibration_momentum"),
+])
+def test_bad_config_raises_value_error_naming_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        StepCacheConfig(**bad)
+
+
+def test_presets_order_budget_from_quality_to_fast_and_auto_is_balanced():
+    budgets = [StepCacheConfig.preset(name).error_budget for name in ("quality", "balanced", "fast")]
+    assert budgets == sorted(budgets) and len(set(budgets)) == 3
+    assert StepCacheConfig.preset("auto") == StepCacheConfig.preset("balanced")
+    assert StepCacheConfig.preset("fast", num_warmup_steps=4).num_warmup_steps == 4
+    with pytest.raises(ValueError, match="preset"):
+        StepCacheConfig.preset("turbo")
+
+
+def _run(book: BranchBook, config: StepCacheConfig, signals, num_steps, changes=None):
+    """Drive the book like the hooks do; ``changes[i]`` is the measured residual change on computed step i."""
+    decisions = []
+    for step, signal in enumerate(signals):
+        decision = book.decide(config, step, num_steps, signal, can_extrapolate=False)
+        decisions.append(decision)
+        if not decision.reuse:
+            change = None if step == 0 else (changes or {}).get(step, 0.01)
+            book.computed(config, change, None)
+    return decisions
+
+
+def test_warmup_last_step_and_cap_are_always_computed():
+    config = StepCacheConfig(error_budget=1e6, num_warmup_steps=2, max_consecutive_reuses=2, extrapolate=False)
+    decisions = _run(BranchBook(), config, [None] + [0.01] * 9, num_steps=10)
+    reasons = [d.reason for d in decisions]
+    assert reasons[:2] == [Reason.NO_SIGNAL, Reason.WARMUP]
+    assert reasons[-1] == Reason.LAST_STEP
+    reused = [d.reuse for d in decisions]
+    assert reused == [False, False, True, True, False, True, True, False, True, False]
+    assert Reason.REUSE_CAP in reasons
+
+
+def test_budget_stops_reuse_and_error_accumulates():
+    config = StepCacheConfig(error_budget=0.05, num_warmup_steps=2, max_consecutive_reuses=10, extrapolate=False)
+    book = BranchBook()
+    # signal 0.01 per step and a measured change of 0.01 on step 1: ratio 1.0
+    decisions = _run(book, config, [None, 0.01, 0.01, 0.01, 0.01], num_steps=None, changes={1: 0.01})
+    assert book.reuse_ratio is not None
+    assert [d.reuse for d in decisions] == [False, False, True, True, False]
+    # reused step 2: 1.0 * 0.01; step 3: 0.01 + 1.0 * 0.02 = 0.03; step 4 would be 0.03 + 0.03 > 0.05
+    assert decisions[2].predicted_error == pytest.approx(0.01)
+    assert decisions[3].predicted_error == pytest.approx(0.03)
+    assert decisions[4].reason == Reason.OVER_BUDGET
+
+
+def test_calibration_trusts_a_larger_ratio_at_once_and_blends_a_smaller_one():
+    config = StepCacheConfig(calibration_momentum=0.5)
+    book = BranchBook()
+    book.pending_signal = 0.1
+    book.computed(config, 0.2, None)
+    assert book.reuse_ratio == pytest.approx(2.0)
+    book.pending_signal = 0.1
+    book.computed(config, 0.1, None)
+    assert book.reuse_ratio == pytest.approx(1.5)
+    book.pending_signal = 0.1
+    book.computed(config, 0.5, None)
+    assert book.reuse_ratio == pytest.approx(5.0)
+    book.reset()
+    assert book.reuse_ratio is None and book.num_computed == 0
+
+
+def test_too_few_steps_threshold():
+    assert StepCacheConfig(num_warmup_steps=2).min_steps_for_reuse() == 4
+    assert StepCacheConfig(num_warmup_steps=2, compute_last_step=False).min_steps_for_reuse() == 3
+
+
+def test_stats_count_per_branch():
+    stats = StepCacheStats(policy="auto", num_inference_steps=2, steps=[
+        StepRecord(0, "cond", "transformer", True, "warm-up", None, None, 0.1),
+        StepRecord(1, "cond", "transformer", False, "within budget", 0.01, 0.02, 0.1),
+        StepRecord(1, "uncond", "transformer", True, "over budget", 0.5, 0.3, 0.1),
+    ])
+    data = stats.to_dict()
+    assert data["num_computed"] == 2 and data["num_reused"] == 1
+    assert data["per_branch"] == {"cond": {"computed": 1, "reused": 1}, "uncond": {"computed": 1, "reused": 0}}
+    assert data["steps"][1]["signal"] == 0.01
+
+
+def test_policy_specs_parse_and_bad_ones_raise():
+    assert parse_spec("FBCache=0.1") == ("fbcache", 0.1)
+    assert parse_spec("auto") == ("auto", None)
+    assert set(policy_names()) >= {"off", "auto", *PRESETS, "fbcache", "magcache", "taylorseer", "dbcache"}
+    assert make_policy("off") is None
+    assert make_policy("fast=0.3").config.error_budget == 0.3
+    assert make_policy(StepCacheConfig(error_budget=0.2)).config.error_budget == 0.2
+    with pytest.raises(ValueError, match="unknown cache policy"):
+        make_policy("teacache")
+    with pytest.raises(ValueError, match="number"):
+        make_policy("fbcache=high")
+    with pytest.raises(ValueError, match="error_budget"):
+        make_policy("auto=-1")
+    with pytest.raises(TypeError):
+        make_policy(3)

@@ -1,0 +1,155 @@
+"""Step cache on the user-facing pipelines, on the tiny random Wan checkpoints of ``tests/conftest.py``.
+
+A permissive budget makes reuse certain on random weights; the assertions check what was reused, that the
+skipped blocks really did not run (block counter), and that no state survives a call.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import numpy as np
+import pytest
+
+from metainfer_gen.pipelines import ImageToVideoPipeline, TextToVideoPipeline
+from metainfer_gen.video.cache import StepCacheConfig, apply_step_cache, is_step_cache_enabled
+
+PROMPT = "a red circle moving right"
+PERMISSIVE = StepCacheConfig(error_budget=1e3, num_warmup_steps=2, max_consecutive_reuses=2)
+CALL = dict(num_frames=5, height=32, width=32, num_inference_steps=8, guidance_scale=5.0, seed=0)
+NUM_BLOCKS = 2  # of the tiny transformer
+
+
+def _image(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+
+
+@pytest.fixture
+def t2v(tiny_wan_dir):
+    pipe = TextToVideoPipeline.from_pretrained(tiny_wan_dir, device="cpu")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture
+def i2v(tiny_wan_i2v_dir):
+    pipe = ImageToVideoPipeline.from_pretrained(tiny_wan_i2v_dir, device="cpu")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def render(pipe, **overrides):
+    call = {**CALL, **overrides}
+    if isinstance(pipe, ImageToVideoPipeline):
+        return pipe(_image(), PROMPT, **call)
+    return pipe(PROMPT, **call)
+
+
+def _assert_reused_and_counted(out, branches):
+    cache = out.stats.cache
+    assert set(cache["per_branch"]) == set(branches)
+    assert all(counts["reused"] > 0 for counts in cache["per_branch"].values()), cache["per_branch"]
+    # A computed call runs every block, a reused one only the first.
+    assert out.stats.block_evaluations == cache["num_computed"] * NUM_BLOCKS + cache["num_reused"]
+
+
+def test_enable_twice_raises_and_disable_removes_every_hook(t2v):
+    t2v.enable_step_cache("auto")
+    with pytest.raises(ValueError, match="already enabled"):
+        t2v.enable_step_cache("fast")
+    with pytest.raises(ValueError, match="already enabled"):
+        apply_step_cache(t2v.diffusers_pipeline.transformer, PERMISSIVE)
+    t2v.disable_step_cache()
+    transformer = t2v.diffusers_pipeline.transformer
+    assert not is_step_cache_enabled(transformer)
+    hooked = [name for name, m in transformer.named_modules() if getattr(m, "_diffusers_hook", None)
+              and m._diffusers_hook.hooks]
+    assert hooked == []
+    t2v.enable_step_cache("fbcache")  # another policy after disabling is fine
+    t2v.disable_step_cache()
+
+
+@pytest.mark.parametrize("which", ["t2v", "i2v"])
+def test_disable_restores_bit_identical_output(which, request):
+    pipe = request.getfixturevalue(which)
+    before = render(pipe)
+    pipe.enable_step_cache(PERMISSIVE)
+    cached = render(pipe)
+    pipe.disable_step_cache()
+    after = render(pipe)
+    assert cached.stats.cache["num_reused"] > 0
+    assert cached.stats.block_evaluations < before.stats.block_evaluations
+    np.testing.assert_array_equal(after.frames, before.frames)
+    assert after.stats.cache is None and after.stats.block_evaluations == before.stats.block_evaluations
+
+
+@pytest.mark.parametrize("which", ["t2v", "i2v"])
+@pytest.mark.parametrize("guidance_scale, branches", [(5.0, {"cond", "uncond"}), (1.0, {"cond"})])
+def test_both_pipelines_reuse_with_cfg_on_and_off(which, guidance_scale, branches, request):
+    pipe = request.getfixturevalue(which)
+    pipe.enable_step_cache(PERMISSIVE)
+    out = render(pipe, guidance_scale=guidance_scale)
+    _assert_reused_and_counted(out, branches)
+    steps = out.stats.cache["steps"]
+    assert all(r["computed"] for r in steps if r["step"] in (0, 1, CALL["num_inference_steps"] - 1))
+    assert {r["budget"] for r in steps} == {PERMISSIVE.error_budget}
+    assert all(r["signal"] is not None for r in steps if r["step"] > 0)
+
+
+@pytest.mark.parametrize("which", ["t2v", "i2v"])
+def test_a_pipeline_that_opens_no_cache_context_still_reuses(which, request, monkeypatch):
+    """Regression: caches that need ``cache_context`` fail ("No cache context is set") in such pipelines."""
+    pipe = request.getfixturevalue(which)
+    pipe.enable_step_cache(PERMISSIVE)
+    with_contexts = render(pipe)
+    transformer = pipe.diffusers_pipeline.transformer
+    monkeypatch.setattr(transformer, "cache_context", lambda name, **kwargs: nullcontext(), raising=False)
+    without = render(pipe)
+    _assert_reused_and_counted(without, {"branch0", "branch1"})
+    np.testing.assert_array_equal(without.frames, with_contexts.frames)
+
+
+def test_a_second_call_at_another_size_and_step_count_reuses_nothing_stale(t2v):
+    t2v.enable_step_cache(PERMISSIVE)
+    render(t2v)
+    second = render(t2v, height=48, width=32, num_frames=9, num_inference_steps=6)
+    assert second.frames.shape == (9, 48, 32, 3)
+    assert second.stats.cache["num_inference_steps"] == 6
+    assert max(r["step"] for r in second.stats.cache["steps"]) == 5
+    # What a freshly enabled cache gives for the same call: equal only if nothing leaked from the first call.
+    t2v.disable_step_cache()
+    t2v.enable_step_cache(PERMISSIVE)
+    fresh = render(t2v, height=48, width=32, num_frames=9, num_inference_steps=6)
+    np.testing.assert_array_equal(second.frames, fresh.frames)
+    assert second.stats.cache["steps"] == fresh.stats.cache["steps"]
+
+
+@pytest.mark.parametrize("steps", [1, 2, 5, 7])
+def test_any_step_count_works_and_few_steps_turn_the_cache_off(t2v, steps):
+    baseline = render(t2v, num_inference_steps=steps)
+    t2v.enable_step_cache(PERMISSIVE)
+    out = render(t2v, num_inference_steps=steps)
+    cache = out.stats.cache
+    assert out.frames.shape == baseline.frames.shape
+    assert [r["step"] for r in cache["steps"] if r["branch"] == "cond"] == list(range(steps))
+    if steps < PERMISSIVE.min_steps_for_reuse():
+        assert f"num_inference_steps={steps}" in cache["disabled_reason"]
+        assert cache["num_reused"] == 0
+        np.testing.assert_array_equal(out.frames, baseline.frames)
+    else:
+        assert cache["disabled_reason"] is None and cache["num_reused"] > 0
+        assert all(r["computed"] for r in cache["steps"] if r["step"] == steps - 1)
+
+
+def test_from_pipe_shares_the_enabled_cache(tiny_wan_dir):
+    t2v = TextToVideoPipeline.from_pretrained(tiny_wan_dir, device="cpu")
+    t2v.set_progress_bar_config(disable=True)
+    t2v.enable_step_cache(PERMISSIVE)
+    ti2v = ImageToVideoPipeline.from_pipe(t2v)
+    out = ti2v(_image(), PROMPT, **CALL)
+    assert ti2v.step_cache is t2v.step_cache and out.stats.cache["num_reused"] > 0
+
+
+@pytest.mark.skip(reason="LoRA loading (video/lora.py) is another issue and not built yet")
+def test_works_with_a_lora_loaded():
+    """Placeholder for issue 3's LoRA case: enable the cache with a LoRA loaded and compare against no cache."""
