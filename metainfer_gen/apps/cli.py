@@ -23,6 +23,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _cache_spec(text: str) -> str:
+    from metainfer_gen.video.cache.policies import parse_spec
+
+    try:
+        parse_spec(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _add_render_parser(subparsers) -> None:
     p = subparsers.add_parser("render", help="render a clip from a prompt, or a batch from a prompt file",
                               description="Render clips on the embedded default model or any diffusers video "
@@ -47,6 +57,9 @@ def _add_render_parser(subparsers) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weights dtype (default float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--cache", type=_cache_spec, default="off",
+                   help="step cache: auto (ours, balanced), quality, fast, auto=BUDGET, or a baseline: fbcache, "
+                        "magcache, taylorseer, dbcache (name=value sets its threshold); off disables (default)")
     p.add_argument("--fused-kernels", action="store_true", help="swap the fused kernels into the transformer")
     p.add_argument("--audit", action="store_true", help="print which kernel paths ran and why faster ones were refused")
     p.set_defaults(func=cmd_render)
@@ -102,6 +115,7 @@ def _pipeline_factory(args: argparse.Namespace) -> Callable[[str], Any]:
                 pipe = cls.from_pretrained(args.model, torch_dtype=dtype, device=args.device)
                 if args.fused_kernels:
                     pipe.enable_fused_kernels()
+                pipe.enable_step_cache(args.cache)
             loaded[task] = pipe
         return loaded[task]
 
@@ -141,8 +155,11 @@ def _render(args: argparse.Namespace) -> int:
         output = get_pipeline("image-to-video")(job.image, job.prompt, seed=job.seed, **job.call)
     path = output.save(args.output, fps=args.fps)
     stats = output.stats
+    cache = stats.cache
+    reused = f", cache {cache['policy']}: {cache.get('num_reused', '?')} calls reused" if cache else ""
     print(f"wrote {path} ({output.frames.shape[0]} frames, {output.frames.shape[2]}x{output.frames.shape[1]}) in "
-          f"{stats.seconds:.1f} s; {stats.transformer_calls} transformer calls")
+          f"{stats.seconds:.1f} s; {stats.transformer_calls} transformer calls, "
+          f"{stats.block_evaluations} block evaluations{reused}")
     return 0
 
 

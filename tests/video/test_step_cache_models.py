@@ -138,5 +138,5 @@ def test_wan22_two_experts_get_separate_state_and_both_reuse(tiny_wan_dir):
         assert any(not r["computed"] for r in mine), name
         first = min(r["step"] for r in mine)  # each expert warms up on its own state
         assert all(r["computed"] for r in mine if r["step"] <= first + 1)
-    assert max(r["step"] for r in steps) == 11 and [r["step"] for r in steps if r["branch"] == "cond"] == list(range(12))
+    assert [r["step"] for r in steps if r["branch"] == "cond"] == list(range(12))
     assert out.stats.block_evaluations < plain.stats.block_evaluations
