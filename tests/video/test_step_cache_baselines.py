@@ -8,7 +8,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from metainfer_gen.pipelines import ImageToVideoPipeline, TextToVideoPipeline
+from metainfer_gen.pipelines import ImageToVideoPipeline
 from metainfer_gen.video.cache.baselines import taylorseer_identifiers
 
 PROMPT = "a red circle moving right"
@@ -22,18 +22,6 @@ def _image() -> np.ndarray:
     return np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
 
 
-@pytest.fixture
-def t2v(tiny_wan_dir):
-    pipe = TextToVideoPipeline.from_pretrained(tiny_wan_dir, device="cpu")
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-@pytest.fixture
-def i2v(tiny_wan_i2v_dir):
-    pipe = ImageToVideoPipeline.from_pretrained(tiny_wan_i2v_dir, device="cpu")
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def render(pipe, steps: int):
@@ -42,7 +30,7 @@ def render(pipe, steps: int):
     return pipe(PROMPT, num_inference_steps=steps, **CALL)
 
 
-@pytest.mark.parametrize("which", ["t2v", "i2v"])
+@pytest.mark.parametrize("which", ["fresh_t2v", "fresh_i2v"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_each_baseline_runs_at_two_steps_and_removes_itself(which, policy, request):
     pipe = request.getfixturevalue(which)
@@ -57,7 +45,7 @@ def test_each_baseline_runs_at_two_steps_and_removes_itself(which, policy, reque
     np.testing.assert_array_equal(render(pipe, 2).frames, plain.frames)
 
 
-@pytest.mark.parametrize("which", ["t2v", "i2v"])
+@pytest.mark.parametrize("which", ["fresh_t2v", "fresh_i2v"])
 @pytest.mark.parametrize("policy", ["fbcache=10", "magcache=10", "taylorseer=2",
                                     pytest.param("dbcache=10", marks=pytest.mark.skipif(
                                         not HAS_CACHE_DIT, reason="cache-dit not installed"))])
@@ -74,17 +62,17 @@ def test_each_baseline_skips_blocks_at_a_permissive_setting(which, policy, reque
     assert second.stats.block_evaluations < plain.stats.block_evaluations
 
 
-def test_taylorseer_identifiers_match_wan_attention_and_ffn(t2v):
-    names = taylorseer_identifiers(t2v.diffusers_pipeline.transformer)
+def test_taylorseer_identifiers_match_wan_attention_and_ffn(fresh_t2v):
+    names = taylorseer_identifiers(fresh_t2v.diffusers_pipeline.transformer)
     assert names == [r"blocks\.0\.attn1", r"blocks\.0\.attn2", r"blocks\.0\.ffn",
                      r"blocks\.1\.attn1", r"blocks\.1\.attn2", r"blocks\.1\.ffn"]
 
 
-def test_a_baseline_and_ours_cannot_stack(t2v):
-    t2v.enable_step_cache("fbcache")
+def test_a_baseline_and_ours_cannot_stack(fresh_t2v):
+    fresh_t2v.enable_step_cache("fbcache")
     with pytest.raises(ValueError, match="already enabled"):
-        t2v.enable_step_cache("auto")
+        fresh_t2v.enable_step_cache("auto")
     from metainfer_gen.video.cache import StepCacheConfig, apply_step_cache
 
     with pytest.raises(ValueError, match="diffusers cache"):
-        apply_step_cache(t2v.diffusers_pipeline.transformer, StepCacheConfig())
+        apply_step_cache(fresh_t2v.diffusers_pipeline.transformer, StepCacheConfig())

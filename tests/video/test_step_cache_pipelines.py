@@ -11,7 +11,7 @@ from contextlib import nullcontext
 import numpy as np
 import pytest
 
-from metainfer_gen.pipelines import ImageToVideoPipeline, TextToVideoPipeline
+from metainfer_gen.pipelines import ImageToVideoPipeline
 from metainfer_gen.video.cache import StepCacheConfig, apply_step_cache, is_step_cache_enabled
 
 PROMPT = "a red circle moving right"
@@ -24,18 +24,6 @@ def _image(seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (32, 32, 3), dtype=np.uint8)
 
 
-@pytest.fixture
-def t2v(tiny_wan_dir):
-    pipe = TextToVideoPipeline.from_pretrained(tiny_wan_dir, device="cpu")
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-@pytest.fixture
-def i2v(tiny_wan_i2v_dir):
-    pipe = ImageToVideoPipeline.from_pretrained(tiny_wan_i2v_dir, device="cpu")
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def render(pipe, **overrides):
@@ -53,23 +41,23 @@ def _assert_reused_and_counted(out, branches):
     assert out.stats.block_evaluations == cache["num_computed"] * NUM_BLOCKS + cache["num_reused"]
 
 
-def test_enable_twice_raises_and_disable_removes_every_hook(t2v):
-    t2v.enable_step_cache("auto")
+def test_enable_twice_raises_and_disable_removes_every_hook(fresh_t2v):
+    fresh_t2v.enable_step_cache("auto")
     with pytest.raises(ValueError, match="already enabled"):
-        t2v.enable_step_cache("fast")
+        fresh_t2v.enable_step_cache("fast")
     with pytest.raises(ValueError, match="already enabled"):
-        apply_step_cache(t2v.diffusers_pipeline.transformer, PERMISSIVE)
-    t2v.disable_step_cache()
-    transformer = t2v.diffusers_pipeline.transformer
+        apply_step_cache(fresh_t2v.diffusers_pipeline.transformer, PERMISSIVE)
+    fresh_t2v.disable_step_cache()
+    transformer = fresh_t2v.diffusers_pipeline.transformer
     assert not is_step_cache_enabled(transformer)
     hooked = [name for name, m in transformer.named_modules() if getattr(m, "_diffusers_hook", None)
               and m._diffusers_hook.hooks]
     assert hooked == []
-    t2v.enable_step_cache("fbcache")  # another policy after disabling is fine
-    t2v.disable_step_cache()
+    fresh_t2v.enable_step_cache("fbcache")  # another policy after disabling is fine
+    fresh_t2v.disable_step_cache()
 
 
-@pytest.mark.parametrize("which", ["t2v", "i2v"])
+@pytest.mark.parametrize("which", ["fresh_t2v", "fresh_i2v"])
 def test_disable_restores_bit_identical_output(which, request):
     pipe = request.getfixturevalue(which)
     before = render(pipe)
@@ -83,7 +71,7 @@ def test_disable_restores_bit_identical_output(which, request):
     assert after.stats.cache is None and after.stats.block_evaluations == before.stats.block_evaluations
 
 
-@pytest.mark.parametrize("which", ["t2v", "i2v"])
+@pytest.mark.parametrize("which", ["fresh_t2v", "fresh_i2v"])
 @pytest.mark.parametrize("guidance_scale, branches", [(5.0, {"cond", "uncond"}), (1.0, {"cond"})])
 def test_both_pipelines_reuse_with_cfg_on_and_off(which, guidance_scale, branches, request):
     pipe = request.getfixturevalue(which)
@@ -96,7 +84,7 @@ def test_both_pipelines_reuse_with_cfg_on_and_off(which, guidance_scale, branche
     assert all(r["signal"] is not None for r in steps if r["step"] > 0)
 
 
-@pytest.mark.parametrize("which", ["t2v", "i2v"])
+@pytest.mark.parametrize("which", ["fresh_t2v", "fresh_i2v"])
 def test_a_pipeline_that_opens_no_cache_context_still_reuses(which, request, monkeypatch):
     """Regression: caches that need ``cache_context`` fail ("No cache context is set") in such pipelines."""
     pipe = request.getfixturevalue(which)
@@ -109,26 +97,26 @@ def test_a_pipeline_that_opens_no_cache_context_still_reuses(which, request, mon
     np.testing.assert_array_equal(without.frames, with_contexts.frames)
 
 
-def test_a_second_call_at_another_size_and_step_count_reuses_nothing_stale(t2v):
-    t2v.enable_step_cache(PERMISSIVE)
-    render(t2v)
-    second = render(t2v, height=48, width=32, num_frames=9, num_inference_steps=6)
+def test_a_second_call_at_another_size_and_step_count_reuses_nothing_stale(fresh_t2v):
+    fresh_t2v.enable_step_cache(PERMISSIVE)
+    render(fresh_t2v)
+    second = render(fresh_t2v, height=48, width=32, num_frames=9, num_inference_steps=6)
     assert second.frames.shape == (9, 48, 32, 3)
     assert second.stats.cache["num_inference_steps"] == 6
     assert max(r["step"] for r in second.stats.cache["steps"]) == 5
     # What a freshly enabled cache gives for the same call: equal only if nothing leaked from the first call.
-    t2v.disable_step_cache()
-    t2v.enable_step_cache(PERMISSIVE)
-    fresh = render(t2v, height=48, width=32, num_frames=9, num_inference_steps=6)
+    fresh_t2v.disable_step_cache()
+    fresh_t2v.enable_step_cache(PERMISSIVE)
+    fresh = render(fresh_t2v, height=48, width=32, num_frames=9, num_inference_steps=6)
     np.testing.assert_array_equal(second.frames, fresh.frames)
     assert second.stats.cache["steps"] == fresh.stats.cache["steps"]
 
 
 @pytest.mark.parametrize("steps", [1, 2, 5, 7])
-def test_any_step_count_works_and_few_steps_turn_the_cache_off(t2v, steps):
-    baseline = render(t2v, num_inference_steps=steps)
-    t2v.enable_step_cache(PERMISSIVE)
-    out = render(t2v, num_inference_steps=steps)
+def test_any_step_count_works_and_few_steps_turn_the_cache_off(fresh_t2v, steps):
+    baseline = render(fresh_t2v, num_inference_steps=steps)
+    fresh_t2v.enable_step_cache(PERMISSIVE)
+    out = render(fresh_t2v, num_inference_steps=steps)
     cache = out.stats.cache
     assert out.frames.shape == baseline.frames.shape
     assert [r["step"] for r in cache["steps"] if r["branch"] == "cond"] == list(range(steps))
@@ -141,13 +129,11 @@ def test_any_step_count_works_and_few_steps_turn_the_cache_off(t2v, steps):
         assert all(r["computed"] for r in cache["steps"] if r["step"] == steps - 1)
 
 
-def test_from_pipe_shares_the_enabled_cache(tiny_wan_dir):
-    t2v = TextToVideoPipeline.from_pretrained(tiny_wan_dir, device="cpu")
-    t2v.set_progress_bar_config(disable=True)
-    t2v.enable_step_cache(PERMISSIVE)
-    ti2v = ImageToVideoPipeline.from_pipe(t2v)
+def test_from_pipe_shares_the_enabled_cache(fresh_t2v):
+    fresh_t2v.enable_step_cache(PERMISSIVE)
+    ti2v = ImageToVideoPipeline.from_pipe(fresh_t2v)
     out = ti2v(_image(), PROMPT, **CALL)
-    assert ti2v.step_cache is t2v.step_cache and out.stats.cache["num_reused"] > 0
+    assert ti2v.step_cache is fresh_t2v.step_cache and out.stats.cache["num_reused"] > 0
 
 
 @pytest.mark.skip(reason="LoRA loading (video/lora.py) is another issue and not built yet")

@@ -13,12 +13,14 @@
 from __future__ import annotations
 
 import ast
+import contextlib
+import io
 import logging
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from metainfer_gen.video.cache.blocks import find_blocks
-from metainfer_gen.video.cache.policies import CachePolicy, DiffusersCachePolicy, denoisers
+from metainfer_gen.video.cache.policies import CachePolicy, DiffusersCachePolicy
 
 
 def _fbcache(value: float | None) -> CachePolicy:
@@ -73,17 +75,20 @@ class MagCachePolicy(DiffusersCachePolicy):
             self.applied_steps = None  # apply in calibration mode for this step count
         records = _Capture()
         logger = logging.getLogger("diffusers.hooks.mag_cache")
-        level, logger_level = logger.level, logger.getEffectiveLevel()
-        if calibrating:
+        level, propagate = logger.level, logger.propagate
+        quiet = contextlib.redirect_stdout(io.StringIO()) if calibrating else contextlib.nullcontext()
+        if calibrating:  # read the ratios from MagCache's log record; keep its print-out off our stdout
             logger.addHandler(records)
-            logger.setLevel(min(logger_level, logging.INFO))
+            logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
+            logger.propagate = False
         try:
-            with super().session(pipe, num_inference_steps) as report:
+            with quiet, super().session(pipe, num_inference_steps) as report:
                 yield report
         finally:
             if calibrating:
                 logger.removeHandler(records)
                 logger.setLevel(level)
+                logger.propagate = propagate
         if calibrating and records.ratios:
             self.mag_ratios = records.ratios[0]
             self.applied_steps = None  # next call: re-apply with the ratios

@@ -15,11 +15,11 @@ import torch
 from diffusers.hooks.hooks import CacheContext, HookRegistry, ModelHook, StateManager
 from diffusers.utils.torch_utils import unwrap_module
 
-from metainfer_gen.video.cache.blocks import ENCODER_ARG, HIDDEN_ARG, BlockIO, find_blocks
+from metainfer_gen.video.cache.blocks import ENCODER_ARG, HIDDEN_ARG, BlockIO
 from metainfer_gen.video.cache.config import StepCacheConfig
 from metainfer_gen.video.cache.decision import Decision, Reason
 from metainfer_gen.video.cache.state import BranchState, CallTracker, relative_l1
-from metainfer_gen.video.cache.stats import StepCacheStats, StepRecord
+from metainfer_gen.video.cache.stats import StepRecord
 
 ROOT_HOOK = "metainfer_step_cache_root"
 HEAD_HOOK = "metainfer_step_cache_head"
@@ -124,17 +124,22 @@ class StepCacheRootHook(ModelHook):
         return module
 
 
-class StepCacheHeadHook(ModelHook):
-    """On the first block: always runs it; on a reused step adds the cached residual and skips the rest."""
+class _BlockHook(ModelHook):
+    """Shared part of the block hooks: the run they report to and the block's input/output contract."""
 
-    def __init__(self, run: _Run):
+    def __init__(self, run: _Run, is_tail: bool = False):
         super().__init__()
         self.run = run
+        self.is_tail = is_tail
         self.io: BlockIO | None = None
 
     def initialize_hook(self, module):
         self.io = BlockIO.of(unwrap_module(module))
         return module
+
+
+class StepCacheHeadHook(_BlockHook):
+    """On the first block: always runs it; on a reused step adds the cached residual and skips the rest."""
 
     def new_forward(self, module, *args, **kwargs):
         run = self.run
@@ -153,18 +158,8 @@ class StepCacheHeadHook(ModelHook):
         return self.io.pack(hidden_out + residual, encoder_out, like=output)
 
 
-class StepCacheBlockHook(ModelHook):
+class StepCacheBlockHook(_BlockHook):
     """On every later block: passes inputs through on reused steps; the tail stores the computed residual."""
-
-    def __init__(self, run: _Run, is_tail: bool):
-        super().__init__()
-        self.run = run
-        self.is_tail = is_tail
-        self.io: BlockIO | None = None
-
-    def initialize_hook(self, module):
-        self.io = BlockIO.of(unwrap_module(module))
-        return module
 
     def new_forward(self, module, *args, **kwargs):
         run = self.run
