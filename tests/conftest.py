@@ -110,3 +110,13 @@ def tiny_wan_i2v_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny_wan_i2v")
     pipe.save_pretrained(str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def text_checkpoint(tmp_path_factory):
+    """(transformers model, tokenizer, directory) of a tiny random DeepSeek-V3 with a BPE tokenizer."""
+    from tests.llm.checkpoints import save_text_checkpoint
+
+    path = tmp_path_factory.mktemp("deepseek_text")
+    model, tokenizer = save_text_checkpoint(path)
+    return model, tokenizer, path

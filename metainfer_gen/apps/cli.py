@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_render_parser(subparsers)
     _add_doctor_parser(subparsers)
+    from metainfer_gen.apps.generate import add_generate_parser
+
+    add_generate_parser(subparsers)
     return parser
 
 

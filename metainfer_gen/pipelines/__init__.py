@@ -11,6 +11,7 @@ _EXPORTS = {
     "TextToVideoPipeline": "metainfer_gen.pipelines.text_to_video",
     "ImageToVideoPipeline": "metainfer_gen.pipelines.image_to_video",
     "VideoOutput": "metainfer_gen.video.output",
+    "TextGenerationPipeline": "metainfer_gen.pipelines.text_generation",
 }
 __all__ = sorted(_EXPORTS)
 

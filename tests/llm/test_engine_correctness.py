@@ -7,7 +7,7 @@ import torch
 
 from metainfer_gen.llm import EngineConfig, LLMEngine, SamplingParams
 from metainfer_gen.llm.attention_metadata import AttentionMetadata
-from tests.llm.conftest import hf_greedy, random_prompts
+from tests.llm.checkpoints import hf_greedy, random_prompts
 
 GREEDY = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
 LENGTHS = (1, 3, 7, 12, 16, 17, 29, 40)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from metainfer_gen.llm import EngineConfig, LLMEngine, RequestRejected, SamplingParams
-from tests.llm.conftest import random_prompts
+from tests.llm.checkpoints import random_prompts
 
 GREEDY = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
 

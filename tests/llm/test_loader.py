@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from metainfer_gen.llm import EngineConfig, LLMEngine, SamplingParams
 from metainfer_gen.llm.loader import dequantize_fp8_block
-from tests.llm.conftest import hf_greedy, make_hf_model
+from tests.llm.checkpoints import hf_greedy, make_hf_model
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from metainfer_gen.video.demo_model import components, configs
-from metainfer_gen.video.demo_model.checkpointing import ResumableRun
+from metainfer_gen.training import ResumableRun
 from metainfer_gen.video.demo_model.data import TEMPLATES, training_combinations
 from metainfer_gen.video.demo_model.latents import encode_shards, latent_statistics, load_shards
 
@@ -93,15 +93,11 @@ def main(argv: list[str] | None = None) -> None:
         timestep = (frame_weight[:, 0, :, 0, 0].repeat_interleave(tokens_per_frame, dim=1)) * sigma.view(-1, 1) * 1000
         pred = transformer(xt, timestep, embeds[text], return_dict=False)[0]
         loss = ((pred - (noise - x0)).square() * frame_weight).sum() / (frame_weight.sum() * pred[0, :, 0].numel())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
-        optimizer.step()
+        run.optimizer_step(loss)
         with torch.no_grad():
-            beta = min(0.999, (1 + run.step) / (10 + run.step))
+            beta = min(0.999, run.step / (9 + run.step))  # (1 + s) / (10 + s) of the step just taken
             for e, p in zip(ema.parameters(), transformer.parameters()):
                 e.lerp_(p, 1 - beta)
-        run.step += 1
         if run.step % 25 == 0:
             run.log(loss=round(loss.item(), 5), lr=round(optimizer.param_groups[0]["lr"], 7))
         if run.step % 200 == 0 or run.step == args.steps:

@@ -17,7 +17,7 @@ import math
 import torch
 
 from metainfer_gen.video.demo_model import configs
-from metainfer_gen.video.demo_model.checkpointing import ResumableRun
+from metainfer_gen.training import ResumableRun
 from metainfer_gen.video.demo_model.data import held_out_combinations, sample_batch
 
 
@@ -132,11 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         rec = reconstruction_loss(recon, videos, masks)
         kl = 0.5 * (posterior.mean.square() + posterior.var - 1.0 - posterior.logvar).mean()
         loss = rec + args.kl_weight * kl
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        optimizer.step()
-        run.step += 1
+        run.optimizer_step(loss)
         if run.step % 25 == 0:
             run.log(loss=round(loss.item(), 5), rec=round(rec.item(), 5), kl=round(kl.item(), 3),
                     train_psnr=round(psnr(recon.detach(), videos), 2))

@@ -1,4 +1,4 @@
-"""Resumable training state shared by the demo-model training scripts.
+"""Resumable training state shared by the demo-model training scripts (video and LLM).
 
 A run keeps ``state.pt`` (model + optimiser + step) in its work directory and rewrites it atomically every few
 minutes, so a killed run resumes where it stopped. Batches are drawn from a generator seeded with
@@ -53,6 +53,14 @@ class ResumableRun:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr
+
+    def optimizer_step(self, loss: torch.Tensor, max_grad_norm: float = 1.0) -> None:
+        """Backward ``loss``, clip the gradient norm, step the optimiser, count the step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)
+        self.optimizer.step()
+        self.step += 1
 
     def generator(self, seed: int) -> torch.Generator:
         return torch.Generator().manual_seed(seed * 1_000_003 + self.step)

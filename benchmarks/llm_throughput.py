@@ -1,0 +1,173 @@
+"""LLM serving benchmark: our engine vs transformers ``generate`` (batched, left-padded) on the same prompts.
+
+    OMP_NUM_THREADS=2 python benchmarks/llm_throughput.py              # embedded LLM + a larger random DeepSeek-V3
+    python benchmarks/llm_throughput.py --quick                        # small shapes (smoke run)
+
+For each model and each concurrency C (requests arriving together; prompts of mixed lengths, fixed output
+length so both sides do the same work), one table row per implementation: input tokens/s and output tokens/s
+(tokens / wall seconds of the whole batch), TTFT p50/p95 (arrival to first token; for transformers, every request
+of a batch gets its first token after the batch's prefill), and total-throughput ratio ours / transformers. Greedy
+outputs are compared (identical-token share), so a speedup that changed the answer is visible. Then the prefix
+cache: TTFT of a request with a shared 1,024-token prefix, cold (first) vs warm (prefix cached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from metainfer_gen.llm import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+LARGE = dict(vocab_size=4096, hidden_size=384, intermediate_size=1024, moe_intermediate_size=192, num_hidden_layers=6,
+             num_attention_heads=8, num_key_value_heads=8, n_shared_experts=1, n_routed_experts=16,
+             num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=128,
+             q_lora_rank=192, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
+             max_position_embeddings=4096, num_mtp_layers=0)
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
+
+
+def make_prompts(num: int, vocab: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi + 1, (num,), generator=g).tolist()
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+class FirstTokenTimer:
+    """A transformers streamer that records when the first generated tokens arrive (after the prefill)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.first_token_time: float | None = None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2 and self.first_token_time is None:  # call 1 is the prompt
+            self.first_token_time = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+def run_transformers(model, prompts: list[list[int]], new_tokens: int, pad_id: int):
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding, as batched generation needs
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    timer = FirstTokenTimer()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=pad_id, eos_token_id=None, streamer=timer)
+    seconds = time.perf_counter() - start
+    ttft = [timer.first_token_time - start] * len(prompts)
+    return seconds, ttft, [row[width:].tolist() for row in out]
+
+
+def run_ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int):
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    return seconds, [o.ttft for o in outputs], [o.token_ids for o in outputs]
+
+
+def throughput_rows(name: str, path: Path, concurrencies: list[int], lengths: tuple[int, int], new_tokens: int,
+                    engine_config: EngineConfig) -> list[list[str]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = LLMEngine.from_pretrained(path, engine_config)
+    vocab = hf.config.vocab_size
+    warm = make_prompts(2, vocab, 8, 16, seed=99)
+    run_ours(engine, warm, 2)
+    run_transformers(hf, warm, 2, pad_id=0)
+    rows = []
+    for c in concurrencies:
+        prompts = make_prompts(c, vocab, *lengths, seed=c)
+        engine.block_manager.reset_prefix_cache()  # random prompts share nothing, but be explicit: cold cache
+        n_in, n_out = sum(map(len, prompts)), c * new_tokens
+        results = {"transformers": run_transformers(hf, prompts, new_tokens, pad_id=0),
+                   "ours": run_ours(engine, prompts, new_tokens)}
+        same = sum(a == b for a, b in zip(results["ours"][2], results["transformers"][2])) / c
+        base = results["transformers"][0]
+        for impl, (seconds, ttft, _) in results.items():
+            rows.append([name, str(c), impl, f"{n_in / seconds:,.0f}", f"{n_out / seconds:,.1f}",
+                         f"{percentile(ttft, 0.5) * 1e3:,.0f}", f"{percentile(ttft, 0.95) * 1e3:,.0f}",
+                         f"{base / seconds:.2f}x", f"{same:.0%}" if impl == "ours" else "-"])
+    return rows
+
+
+def prefix_cache_rows(path: Path, prefix_len: int, engine_config: EngineConfig, repeats: int) -> list[list[str]]:
+    engine = LLMEngine.from_pretrained(path, engine_config)
+    vocab = engine.model.config.vocab_size
+    prefix = make_prompts(1, vocab, prefix_len, prefix_len, seed=7)[0]
+    tails = make_prompts(repeats + 1, vocab, 16, 16, seed=8)
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    run_ours(engine, make_prompts(1, vocab, 8, 8, seed=9), 1)  # warm-up
+    cold = engine.generate([prefix + tails[0]], params)[0]
+    warm = [engine.generate([prefix + t], params)[0] for t in tails[1:]]
+    warm_ttft = statistics.median(o.ttft for o in warm)
+    return [[f"{prefix_len}+16", "cold", f"{cold.ttft * 1e3:,.1f}", str(cold.num_cached_tokens), "1.00x"],
+            [f"{prefix_len}+16", "warm (median)", f"{warm_ttft * 1e3:,.1f}", str(warm[0].num_cached_tokens),
+             f"{cold.ttft / warm_ttft:.1f}x"]]
+
+
+def print_table(header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes and counts (smoke run)")
+    parser.add_argument("--model", default=None, help="checkpoint to use instead of the embedded LLM")
+    parser.add_argument("--new-tokens", type=int, default=32, help="output tokens per request")
+    args = parser.parse_args(argv)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from metainfer_gen.pipelines.text_generation import default_llm_dir
+
+    torch.manual_seed(0)
+    concurrencies = [1, 4] if args.quick else [1, 16, 64]
+    new_tokens = 4 if args.quick else args.new_tokens
+    tmp = Path(tempfile.mkdtemp(prefix="llm_bench_"))
+    large = {**LARGE, **(dict(hidden_size=128, num_hidden_layers=2, vocab_size=512) if args.quick else {})}
+    config = AutoConfig.for_model("deepseek_v3", bos_token_id=None, eos_token_id=None, **large)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp / "large")
+    models = [("embedded", Path(args.model) if args.model else default_llm_dir(), (32, 256)),
+              ("random-large", tmp / "large", (64, 512))]
+    engine_config = EngineConfig(block_size=16, max_num_seqs=64, max_num_batched_tokens=2048)
+    rows = []
+    for name, path, lengths in models:
+        if args.quick:
+            lengths = (8, 32)
+        rows += throughput_rows(name, path, concurrencies, lengths, new_tokens, engine_config)
+    print(f"threads={torch.get_num_threads()}, output tokens per request={new_tokens}, prompts uniform in the "
+          f"given range; ratio = transformers seconds / ours")
+    print_table(["model", "C", "impl", "input tok/s", "output tok/s", "TTFT p50 ms", "TTFT p95 ms",
+                 "total vs HF", "same tokens"], rows)
+    prefix_len = 128 if args.quick else 1024
+    print()
+    print_table(["prompt", "prefix cache", "TTFT ms", "cached tokens", "speedup"],
+                prefix_cache_rows(tmp / "large", prefix_len, engine_config, repeats=3 if args.quick else 5))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Tiny random DeepSeek-V3 checkpoints saved by transformers' own ``save_pretrained`` (the engine's reference)."""
+
+from __future__ import annotations
+
+import torch
+
+# Two shapes: MoE in all but the first layer (q LoRA, interleaved rope), and a mostly dense one without q LoRA
+# and with half-split rope; both fp32, small enough to generate in milliseconds.
+CONFIGS = {
+    "moe": dict(vocab_size=160, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+                kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=2,
+                topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, rope_interleave=True),
+    "dense_q_full": dict(vocab_size=160, hidden_size=48, intermediate_size=96, moe_intermediate_size=24,
+                         num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=2,
+                         n_routed_experts=4, kv_lora_rank=24, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=12,
+                         qk_nope_head_dim=12, n_group=1, topk_group=1, num_experts_per_tok=2,
+                         first_k_dense_replace=2, rope_interleave=False),
+}
+
+
+def make_hf_model(name: str, seed: int = 0, **overrides):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model("deepseek_v3", max_position_embeddings=512, num_mtp_layers=0, bos_token_id=None,
+                                  eos_token_id=None, **{**CONFIGS[name], **overrides})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    # Random routers with zero bias pick experts arbitrarily; a random bias exercises the biased choice too.
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.normal_(0, 0.1)
+    return model
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                         pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def random_prompts(num: int, vocab: int, lengths: tuple[int, ...], seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(num)]
+
+
+def save_text_checkpoint(path):
+    """A tiny random checkpoint with a real (BPE) tokenizer, for the pipeline and the CLI; returns (model, tok)."""
+    from metainfer_gen.llm.demo_model.tokenizer import train_tokenizer
+
+    texts = ["the quick brown fox jumps over the lazy dog", "the pass key is 12345. remember it."] * 20
+    tokenizer = train_tokenizer(texts, vocab_size=300)
+    model = make_hf_model("moe", vocab_size=len(tokenizer))
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model, tokenizer
