@@ -104,15 +104,18 @@ class BlockManager:
                 matched += 1
             self.num_prefix_hits += matched
         seq.num_computed_tokens = seq.num_cached_tokens = matched * self.block_size
+        seq.num_hashed_blocks = matched
         return seq.num_computed_tokens
 
     def commit(self, seq: Sequence) -> None:
-        """Register the blocks of ``seq`` that are full and computed (call after each step)."""
+        """Register the blocks of ``seq`` that are full and computed (call after each step); each block is
+        hashed once (``seq.num_hashed_blocks`` remembers where the chain stopped)."""
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        prefix_hash = None
-        for index in range(num_full):
+        start = seq.num_hashed_blocks
+        prefix_hash = self.blocks[seq.block_table[start - 1]].hash if start else None
+        for index in range(start, num_full):
             block = self.blocks[seq.block_table[index]]
             if block.hash is None:
                 tokens = tuple(seq.block_tokens(index, self.block_size))
@@ -121,6 +124,7 @@ class BlockManager:
                 # Identical content computed twice (two prompts admitted together) keeps the first registration.
                 self._hash_to_block.setdefault(block.hash, block.block_id)
             prefix_hash = block.hash
+        seq.num_hashed_blocks = max(start, num_full)
 
     # -- allocation -----------------------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
@@ -151,6 +155,7 @@ class BlockManager:
                 self._free[block_id] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -90,6 +90,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at the last admission
+    num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache (block manager's mark)
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
