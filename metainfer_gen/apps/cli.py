@@ -172,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     from metainfer_gen.apps.generate import add_generate_parser
 
     add_generate_parser(subparsers)
+    from metainfer_gen.apps.demo import add_demo_parser
+
+    add_demo_parser(subparsers)
     return parser
 
 

@@ -1,0 +1,133 @@
+"""``metainfer-gen demo``: serve the Gradio demo (text-to-video, image-to-video, LLM) on this machine.
+
+    metainfer-gen demo                          # embedded models, http://127.0.0.1:7860
+    metainfer-gen demo --model DIR --llm-model CKPT --port 8000
+    metainfer-gen demo --host 0.0.0.0           # reachable from the network (or --share for a gradio link)
+
+Models load once, before the server starts, and are shared by every browser session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from metainfer_gen.apps.demo_limits import DemoLimits
+
+DEFAULT_PORT = 7860
+
+
+def add_demo_parser(subparsers) -> None:
+    """Register the ``demo`` subcommand on the CLI's subparsers."""
+    defaults = DemoLimits()
+    p = subparsers.add_parser("demo", help="serve the Gradio demo (text-to-video, image-to-video, LLM) in a browser",
+                              description="Load the models once and serve a Gradio page with one tab per loaded "
+                                          "model. Binds 127.0.0.1 unless --host or --share says otherwise. Needs "
+                                          "the demo extra: pip install 'metainfer-gen[demo]'.")
+    p.add_argument("--model", default=None, help="video pipeline folder or hub id (default: the embedded model)")
+    p.add_argument("--i2v-model", default=None,
+                   help="separate image-to-video pipeline (default: image-to-video on --model's weights when the "
+                        "model can do it; otherwise the tab is hidden)")
+    p.add_argument("--llm-model", default=None,
+                   help="LLM checkpoint folder or hub id (default: the embedded LLM; its tab is hidden when it is "
+                        "not built)")
+    p.add_argument("--no-llm", action="store_true", help="do not load an LLM (no LLM tab)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to bind (default {DEFAULT_PORT})")
+    p.add_argument("--share", action="store_true", help="also ask gradio for a temporary public link")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="weights dtype (default float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--fused-kernels", action="store_true", help="swap the fused kernels into the video transformer")
+    p.add_argument("--max-frames", type=int, default=defaults.max_frames,
+                   help=f"most frames per clip (default {defaults.max_frames})")
+    p.add_argument("--max-size", type=int, default=defaults.max_size,
+                   help=f"largest height/width in pixels (default {defaults.max_size})")
+    p.add_argument("--max-steps", type=int, default=defaults.max_steps,
+                   help=f"most denoising steps (default {defaults.max_steps})")
+    p.add_argument("--max-prompt-chars", type=int, default=defaults.max_prompt_chars,
+                   help=f"longest prompt in characters (default {defaults.max_prompt_chars})")
+    p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens,
+                   help=f"most tokens per LLM completion (default {defaults.max_new_tokens})")
+    p.set_defaults(func=cmd_demo)
+
+
+def limits_from_args(args: argparse.Namespace) -> DemoLimits:
+    """The :class:`DemoLimits` the flags ask for (ValueError for a value below 1)."""
+    return DemoLimits(max_frames=args.max_frames, max_size=args.max_size, max_steps=args.max_steps,
+                      max_prompt_chars=args.max_prompt_chars, max_new_tokens=args.max_new_tokens)
+
+
+def make_temp_root() -> Path:
+    """A private temporary folder for uploads (gradio's cache) and clips, removed when the process exits.
+
+    Sets ``GRADIO_TEMP_DIR`` so that gradio writes every uploaded file inside it; call before importing gradio.
+    """
+    root = Path(tempfile.mkdtemp(prefix="metainfer-demo-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    os.environ["GRADIO_TEMP_DIR"] = str(root / "uploads")
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # the demo reports nothing to anyone
+    return root
+
+
+def load_backend(args: argparse.Namespace, output_dir: Path):
+    """Load the models the flags name into a :class:`~metainfer_gen.apps.demo_backend.DemoBackend`.
+
+    A model the user named that fails to load raises; the image-to-video and embedded-LLM tabs are left out
+    with a note when their model cannot be had.
+    """
+    import torch
+
+    from metainfer_gen import pipelines
+    from metainfer_gen.apps.demo_backend import DemoBackend
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    notes: list[str] = []
+    t2v = pipelines.TextToVideoPipeline.from_pretrained(args.model, torch_dtype=dtype, device=args.device)
+    if args.fused_kernels:
+        t2v.enable_fused_kernels()
+    if args.i2v_model:
+        i2v = pipelines.ImageToVideoPipeline.from_pretrained(args.i2v_model, torch_dtype=dtype, device=args.device)
+        if args.fused_kernels:
+            i2v.enable_fused_kernels()
+    else:
+        try:
+            i2v = pipelines.ImageToVideoPipeline.from_pipe(t2v)  # same weights, no second load
+        except ValueError as exc:
+            i2v = None
+            notes.append(f"Image-to-video is not shown: {exc} (give --i2v-model)")
+    for pipe in (t2v, i2v):
+        if pipe is not None:
+            pipe.set_progress_bar_config(disable=True)  # the page shows progress; keep the server log readable
+    llm = None
+    if not args.no_llm:
+        try:
+            llm = pipelines.TextGenerationPipeline.from_pretrained(args.llm_model, device=args.device,
+                                                                   torch_dtype=dtype)
+        except FileNotFoundError as exc:
+            if args.llm_model:
+                raise
+            notes.append(f"The LLM tab is not shown: {exc}")
+    return DemoBackend(t2v=t2v, i2v=i2v, llm=llm, output_dir=output_dir, limits=limits_from_args(args), notes=notes)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Load the models, build the page and serve it until interrupted."""
+    limits = limits_from_args(args)  # bad limits fail before minutes of loading
+    root = make_temp_root()
+    try:
+        from metainfer_gen.apps.gradio_app import build_app, launch_app
+    except ImportError as exc:
+        raise ValueError(f"the demo needs gradio: pip install 'metainfer-gen[demo]' ({exc})") from None
+    backend = load_backend(args, root / "clips")
+    for note in backend.notes:
+        print(f"note: {note}", file=sys.stderr)
+    app = build_app(backend)
+    print(f"metainfer-gen demo on http://{args.host}:{args.port} (uploads and clips under {root})", flush=True)
+    launch_app(app, host=args.host, port=args.port, share=args.share, max_upload_mb=limits.max_upload_mb)
+    return 0
