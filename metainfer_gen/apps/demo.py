@@ -13,6 +13,7 @@ import argparse
 import atexit
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -128,6 +129,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for note in backend.notes:
         print(f"note: {note}", file=sys.stderr)
     app = build_app(backend)
+    # SIGTERM (a service manager, `kill`) exits through SystemExit so that atexit removes the temporary folder.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"metainfer-gen demo on http://{args.host}:{args.port} (uploads and clips under {root})", flush=True)
     launch_app(app, host=args.host, port=args.port, share=args.share, max_upload_mb=limits.max_upload_mb)
     return 0

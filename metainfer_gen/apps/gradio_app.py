@@ -77,12 +77,12 @@ def _video_tab(backend: DemoBackend, task: str) -> None:
                                      label="Guidance scale (1 = off)", elem_id=f"{prefix}-guidance")
                 seed = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id=f"{prefix}-seed")
                 cache = gr.Dropdown(cache_choices(), value=DEFAULT_CACHE, label="Step cache",
-                                    info="auto/quality/fast: ours; fbcache, magcache, taylorseer, dbcache: baselines",
+                                    info="auto, quality, fast: ours; the others: baselines",
                                     elem_id=f"{prefix}-cache")
             button = gr.Button("Generate", variant="primary", elem_id=f"{prefix}-generate")
         with gr.Column():
             video = gr.Video(label="Clip (H.264 MP4)", format="mp4", autoplay=True, loop=True, interactive=False,
-                             elem_id=f"{prefix}-video")
+                             height=360, elem_id=f"{prefix}-video")
             image_info = gr.Textbox(label="Reference image", interactive=False, visible=image is not None,
                                     elem_id=f"{prefix}-image-info")
             stats = gr.Textbox(label="Stats", lines=4, interactive=False, elem_id=f"{prefix}-stats")
