@@ -3,6 +3,7 @@
     metainfer-gen render "a red circle moving right" -o clip.mp4
     metainfer-gen render "the blue square moves up" --image first_frame.png -o clip.mp4
     metainfer-gen render --prompts prompts.jsonl --out-dir clips/
+    metainfer-gen demo                      # the Gradio demo on http://127.0.0.1:7860
 """
 
 from __future__ import annotations

@@ -129,6 +129,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for note in backend.notes:
         print(f"note: {note}", file=sys.stderr)
     app = build_app(backend)
+    print("warming up the models (one smallest call each)", flush=True)
+    backend.warm_up()
     # SIGTERM (a service manager, `kill`) exits through SystemExit so that atexit removes the temporary folder.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"metainfer-gen demo on http://{args.host}:{args.port} (uploads and clips under {root})", flush=True)

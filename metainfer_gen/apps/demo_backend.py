@@ -87,6 +87,24 @@ class DemoBackend:
         self._uncached: dict[tuple, _Uncached] = {}
         self._clips: deque[Path] = deque()
 
+    def warm_up(self) -> None:
+        """One smallest call per model before serving.
+
+        A fresh process's first call is seconds slower (allocator, lazy imports, one-time setup); without this
+        the first uncached run would make every later speedup look better than it is.
+        """
+        from PIL import Image
+
+        for pipe in (self.t2v, self.i2v):
+            if pipe is not None:
+                side = pipe.rules.spatial_multiple
+                args = (Image.new("RGB", (side, side)), "warm up") if pipe is self.i2v else ("warm up",)
+                with self._video_lock:
+                    pipe(*args, num_frames=1, height=side, width=side, num_inference_steps=1, seed=0)
+        if self.llm is not None:
+            with self._llm_lock:
+                self.llm("warm up", max_new_tokens=1)
+
     # ------------------------------------------------------------------------------------------------ video
 
     def video_pipeline(self, task: str):

@@ -79,13 +79,7 @@ class DemoLimits:
                 raise InputError(f"{name}={values[name]} is outside this demo's range 1..{upper}")
         if not 0 <= values["seed"] < 2**63:
             raise InputError(f"seed={values['seed']} must be in 0..2**63-1")
-        try:
-            guidance = float(guidance_scale)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            raise InputError(f"guidance_scale must be a number; got {guidance_scale!r}") from None
-        if not math.isfinite(guidance) or not 0 <= guidance <= 30:
-            raise InputError(f"guidance_scale={guidance_scale!r} is outside this demo's range 0..30")
-        values["guidance_scale"] = guidance
+        values["guidance_scale"] = _number("guidance_scale", guidance_scale, 0, 30)
         return values
 
     def check_image(self, image: object) -> None:
@@ -104,13 +98,20 @@ class DemoLimits:
         tokens = _whole("max_new_tokens", max_new_tokens)
         if not 1 <= tokens <= self.max_new_tokens:
             raise InputError(f"max_new_tokens={tokens} is outside this demo's range 1..{self.max_new_tokens}")
-        try:
-            temp = float(temperature)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            raise InputError(f"temperature must be a number; got {temperature!r}") from None
-        if not math.isfinite(temp) or not 0 <= temp <= 2:
-            raise InputError(f"temperature={temperature!r} is outside this demo's range 0..2")
-        return tokens, temp
+        return tokens, _number("temperature", temperature, 0, 2)
+
+
+def _number(name: str, value: object, low: float, high: float) -> float:
+    """``value`` as a finite float in [low, high]."""
+    if isinstance(value, bool):
+        raise InputError(f"{name} must be a number; got {value!r}")
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise InputError(f"{name} must be a number; got {value!r}") from None
+    if not math.isfinite(number) or not low <= number <= high:
+        raise InputError(f"{name}={value!r} is outside this demo's range {low:g}..{high:g}")
+    return number
 
 
 def _whole(name: str, value: object) -> int:

@@ -202,3 +202,15 @@ def test_the_page_shows_one_tab_per_loaded_model(backend):
     assert not any("lora" in str(c["props"].get("label", "")).lower() for c in config["components"])
     with pytest.raises(ValueError, match="no model to show"):
         build_app(DemoBackend(t2v=None, i2v=None, llm=None, output_dir=backend.output_dir))
+
+
+def test_warm_up_runs_each_model_once_and_leaves_no_clip(backend):
+    calls = []
+    handle = backend.t2v.transformers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    before = sorted(backend.output_dir.iterdir())
+    try:
+        backend.warm_up()
+    finally:
+        handle.remove()
+    assert sorted(backend.output_dir.iterdir()) == before
+    assert len(calls) == 4  # T2V and I2V (one shared transformer), 1 step each, CFG's two branches
