@@ -6,7 +6,8 @@
 Each rank runs every size with our ``all_reduce`` (the algorithm it chooses, plus forced one-shot and two-shot with
 ``--all-algorithms``) and then with ``torch.distributed.all_reduce`` on gloo, in the same processes. Latency is
 the median over ``--reps`` batches of the mean time per call within a batch (rank 0's clock; the ranks are
-lock-stepped by the collective itself). Bus bandwidth follows nccl-tests: ``size / time x 2 (n - 1) / n``.
+lock-stepped by the collective itself); the contenders' batches alternate, so load from other processes falls on
+each alike, and the load average is printed with the table. Bus bandwidth follows nccl-tests: ``size / time x 2 (n - 1) / n``.
 Results agree with gloo's bitwise before timing (float32, 2 ranks).
 """
 
@@ -34,26 +35,32 @@ def human(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def _time_us(fn, nbytes: int, reps: int, budget_s: float) -> float:
+def _inner_count(fn, reps: int, budget_s: float) -> int:
+    """Calls per timed batch so that ``reps`` batches take about ``budget_s``; every rank uses rank 0's count."""
+    import torch
+    import torch.distributed as dist
+
     fn()  # warm-up
     start = time.perf_counter()
     fn()
     one = max(time.perf_counter() - start, 1e-6)
-    inner = max(1, min(200, int(budget_s / reps / one)))
-    # every rank must run the same number of calls: agree on rank 0's choice through the backend
-    import torch
-    import torch.distributed as dist
-
-    agreed = torch.tensor([inner])
+    agreed = torch.tensor([max(1, min(200, int(budget_s / reps / one)))])
     dist.broadcast(agreed, 0)
-    inner = int(agreed)
-    batches = []
+    return int(agreed)
+
+
+def _interleaved_us(fns: dict, reps: int, budget_s: float) -> dict:
+    """Median (over ``reps``) of the mean time per call, in us, for each of ``fns``; their batches alternate, so
+    that load from other processes on the machine falls on every contender alike."""
+    inner = {name: _inner_count(fn, reps, budget_s / len(fns)) for name, fn in fns.items()}
+    batches: dict = {name: [] for name in fns}
     for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        batches.append((time.perf_counter() - start) / inner * 1e6)
-    return statistics.median(batches)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(inner[name]):
+                fn()
+            batches[name].append((time.perf_counter() - start) / inner[name] * 1e6)
+    return {name: statistics.median(v) for name, v in batches.items()}
 
 
 def _worker(rank: int, world: int, port: int, args) -> None:
@@ -76,16 +83,18 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             raise SystemExit(f"rank {rank}: results differ from gloo at {nbytes} B")
         chosen = collectives.last_audit().path
         y = x.clone()
-        timings = {"ours": _time_us(lambda: collectives.all_reduce(y), nbytes, args.reps, args.budget)}
+        fns = {"ours": lambda: collectives.all_reduce(y)}
         if args.all_algorithms:
             for algo in ("one_shot", "two_shot"):
-                timings[algo] = _time_us(lambda a=algo: collectives.all_reduce(y, algorithm=a), nbytes, args.reps,
-                                         args.budget)
-        timings["gloo"] = _time_us(lambda: dist.all_reduce(y), nbytes, args.reps, args.budget)
+                fns[algo] = lambda a=algo: collectives.all_reduce(y, algorithm=a)
+        fns["gloo"] = lambda: dist.all_reduce(y)
+        timings = _interleaved_us(fns, args.reps, args.budget)
         rows.append((nbytes, chosen, timings))
     if rank == 0:
         th = state.groups["world"].thresholds
-        print(f"all-reduce, {world} ranks, float32, CPU ({os.cpu_count()} cores), thresholds: {th.describe()}")
+        load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+        print(f"all-reduce, {world} ranks, float32, CPU ({os.cpu_count()} cores, load average {load}), "
+              f"thresholds: {th.describe()}")
         extra = "".join(f" | {a} us" for a in ("one_shot", "two_shot") if args.all_algorithms)
         print(f"| size | algorithm (ours) | ours us | gloo us | speedup vs gloo | ours busbw GB/s | "
               f"gloo busbw GB/s{extra} |")
@@ -105,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, default=2, help="local ranks")
     parser.add_argument("--sizes", default="4K,64K,1M,16M,64M", help="comma-separated message sizes (K/M suffixes)")
     parser.add_argument("--reps", type=int, default=7, help="timed batches per measurement (median reported)")
-    parser.add_argument("--budget", type=float, default=1.0, help="seconds of timing per measurement, roughly")
+    parser.add_argument("--budget", type=float, default=2.0, help="seconds of timing per size, roughly")
     parser.add_argument("--all-algorithms", action="store_true", help="also time forced one-shot and two-shot")
     args = parser.parse_args(argv)
     args.sizes = [parse_size(s) for s in args.sizes.split(",")]

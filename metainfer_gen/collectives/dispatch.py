@@ -8,6 +8,7 @@ the choice (:func:`last_audit`). Strict mode (``METAINFER_STRICT_FAST_PATH=1``) 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -59,7 +60,12 @@ def last_audit() -> CollectiveRecord | None:
 def caller_site(depth: int = 2) -> str:
     """``"file.py:line (function)"`` of the frame ``depth`` levels above the caller of this function."""
     frame = sys._getframe(depth + 1)
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
+    return _site(frame.f_code, frame.f_lineno)
+
+
+@functools.lru_cache(maxsize=4096)
+def _site(code, lineno: int) -> str:
+    return f"{os.path.basename(code.co_filename)}:{lineno} ({code.co_name})"
 
 
 def resolve_group(group) -> GroupHandle:
