@@ -25,6 +25,8 @@ class EngineConfig:
         dtype: weights and activations, "float32" (CPU default), "bfloat16" (CUDA default) or "float16".
         device: "cpu", "cuda", "cuda:N"; None picks CUDA when available.
         seed: seed of the sampler for requests without their own seed.
+        tensor_parallel_size: ranks splitting the model (heads, intermediate columns, experts, vocabulary); above 1
+            the engine runs under torchrun with this many processes, each calling the same engine methods.
     Raises:
         ValueError: a field out of range, with the fix in the message.
     """
@@ -40,9 +42,10 @@ class EngineConfig:
     dtype: str | None = None
     device: str | None = None
     seed: int = 0
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1; got {value!r}")

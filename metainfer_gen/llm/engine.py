@@ -74,13 +74,14 @@ class LLMEngine:
         config = config or EngineConfig()
         path = resolve_checkpoint(path_or_id)
         model_config = load_config(path)
-        device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        tp, device = _tensor_parallel(config)
+        device = torch.device(config.device) if config.device else device
         dtype = getattr(torch, config.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
         max_len = config.max_model_len or model_config.max_position_embeddings
         if max_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
                              f"{model_config.max_position_embeddings}")
-        model = load_model(path, model_config, dtype=dtype, device=device, max_positions=max_len)
+        model = load_model(path, model_config, dtype=dtype, device=device, max_positions=max_len, tp=tp)
         tokenizer = _load_tokenizer(path)
         eos = model_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -226,6 +227,23 @@ class LLMEngine:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+
+
+def _tensor_parallel(config: EngineConfig):
+    """``(TensorParallel, default device)``: one process, or this rank's place after ``init_distributed``.
+
+    Raises:
+        ValueError: ``tensor_parallel_size`` does not divide the launched world size.
+    """
+    from metainfer_gen.llm.parallel import TensorParallel
+
+    if config.tensor_parallel_size == 1:
+        return TensorParallel.single(), torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from metainfer_gen import collectives
+
+    state = collectives.init_distributed(tensor_parallel_size=config.tensor_parallel_size)
+    group = state.groups["tp"]
+    return TensorParallel(rank=group.rank, size=group.size, group="tp"), state.device
 
 
 def _load_tokenizer(path: Path):

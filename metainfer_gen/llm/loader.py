@@ -103,18 +103,73 @@ def read_state_dict(path: Path, config, dtype: torch.dtype) -> dict[str, torch.T
     return {k: v.float() if k.endswith(keep_fp32) else v.to(dtype) for k, v in state.items()}
 
 
-def load_model(path: Path, config, *, dtype: torch.dtype, device: torch.device, max_positions: int):
-    """Build the model without allocating random weights, then assign the checkpoint's.
+def assign_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Assign checkpoint tensors to a (meta-device) model by name, through each parameter's ``weight_loader``.
+
+    A parameter with a ``weight_loader`` (the tensor-parallel layers) receives ``weight_loader(full)``, its shard;
+    the others receive the tensor as is. Checkpoint experts that live on another rank (names under a
+    ``ModuleDict`` that lacks their key) are skipped. Equivalent to ``load_state_dict(strict=True, assign=True)``
+    for a one-process model.
 
     Raises:
-        RuntimeError: missing or unexpected weights (names listed by torch).
+        RuntimeError: missing or unexpected names, or a tensor whose shape does not match its parameter.
+    """
+    expected = {name: t for name, t in model.named_parameters(remove_duplicate=False)}
+    expected.update((name, t) for name, t in model.named_buffers(remove_duplicate=False)
+                    if name.rpartition(".")[2] not in _non_persistent(model, name))
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(n for n in set(state) - set(expected) if not _held_elsewhere(model, n))
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint does not match the model: missing {missing[:10]}"
+                           f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}"
+                           f"{' ...' if len(unexpected) > 10 else ''}")
+    for name, current in expected.items():
+        full = state[name]
+        loader = getattr(current, "weight_loader", None)
+        tensor = loader(full) if loader is not None else full
+        if tuple(tensor.shape) != tuple(current.shape):
+            raise RuntimeError(f"{name}: checkpoint shape {tuple(full.shape)} gives {tuple(tensor.shape)} on this "
+                               f"rank; the model expects {tuple(current.shape)}")
+        if tensor.numel() != full.numel():
+            tensor = tensor.clone()  # a shard: do not keep the full tensor alive through a view
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if attr in module._parameters:
+            module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=current.requires_grad)
+        else:
+            module._buffers[attr] = tensor
+
+
+def _non_persistent(model: torch.nn.Module, name: str) -> set[str]:
+    return model.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set
+
+
+def _held_elsewhere(model: torch.nn.Module, name: str) -> bool:
+    """True for ``...experts.N.*`` when ``experts`` is a ModuleDict without key N (an expert on another rank)."""
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        try:
+            module = model.get_submodule(".".join(parts[:i]))
+        except AttributeError:
+            return False
+        if isinstance(module, torch.nn.ModuleDict):
+            return parts[i] not in module
+    return False
+
+
+def load_model(path: Path, config, *, dtype: torch.dtype, device: torch.device, max_positions: int, tp=None):
+    """Build the model without allocating random weights, then assign the checkpoint's (this rank's shards of
+    them under tensor parallelism ``tp``, a :class:`~metainfer_gen.llm.parallel.TensorParallel`).
+
+    Raises:
+        RuntimeError: missing, unexpected or wrongly shaped weights (names listed).
     """
     from metainfer_gen.llm.models.deepseek_v3 import DeepseekV3ForCausalLM, RotaryTables
 
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(config, max_positions)
+        model = DeepseekV3ForCausalLM(config, max_positions, tp)
     state = read_state_dict(path, config, dtype)
-    model.load_state_dict(state, strict=True, assign=True)
+    assign_weights(model, state)
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary = RotaryTables(config, max_positions)

@@ -1,6 +1,7 @@
 """Run a worker function on N local ranks (spawned processes, gloo), with a hard deadline on the whole run.
 
-Workers live in :mod:`tests.collectives.workers` and have the signature ``fn(rank, world, args) -> payload``; the
+Workers live in :mod:`tests.collectives.workers` (or any module, named ``"package.module:function"``) and have the
+signature ``fn(rank, world, args) -> payload``; the
 harness sets torchrun's environment variables, one intra-op thread, a private thresholds cache with tuning off, and
 collects ``{rank: payload}``. A worker that raises reports its traceback; a run past ``timeout_s`` is killed and
 fails the test instead of hanging it.
@@ -23,16 +24,18 @@ def _entry(fn_name: str, rank: int, world: int, port: int, cache: str, args: dic
     import torch
 
     torch.set_num_threads(1)
-    from tests.collectives import workers
+    import importlib
 
+    module, _, name = fn_name.rpartition(":")
     try:
-        out.put((rank, "ok", getattr(workers, fn_name)(rank, world, args)))
+        fn = getattr(importlib.import_module(module or "tests.collectives.workers"), name)
+        out.put((rank, "ok", fn(rank, world, args)))
     except BaseException:  # reported to the parent, which fails the test with it
         out.put((rank, "error", traceback.format_exc()))
 
 
 def run_ranks(fn_name: str, tmp_path, world: int = 2, timeout_s: float = 180.0, **args) -> dict:
-    """Run ``workers.<fn_name>`` on ``world`` ranks; return ``{rank: payload}`` of the ranks that reported.
+    """Run ``workers.<fn_name>`` (or ``"module:function"``) on ``world`` ranks; return ``{rank: payload}``.
 
     Raises:
         AssertionError: a rank raised, or the run exceeded ``timeout_s`` (survivors are killed first).

@@ -12,6 +12,11 @@ Two equivalent ways to attend (paper eq. 9-11 and its "absorb" remark; vLLM ``ML
 
 Module names mirror the Hugging Face checkpoint (``q_a_proj``, ``kv_a_proj_with_mqa``, ...) so weights load by
 name. Shapes: T = new tokens in the step, N = heads, r = kv_lora_rank, dn/dr/dv = nope/rope/value head dims.
+
+Tensor parallelism splits the heads: each rank holds N / size heads of ``q_b_proj`` / ``q_proj`` and ``kv_b_proj``
+(column-parallel) and of ``o_proj`` (row-parallel, summed over the group); the latent projections, their norms
+and the latent cache are replicated, as the cache row is shared by all heads (vLLM does the same). N must divide
+by the size: no padded heads, so no rank computes a head that is thrown away.
 """
 
 from __future__ import annotations
@@ -21,16 +26,23 @@ from torch import nn
 
 from metainfer_gen import kernels
 from metainfer_gen.llm.attention_metadata import AttentionMetadata
+from metainfer_gen.llm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from metainfer_gen.llm.layers.norm import RMSNorm
+from metainfer_gen.llm.parallel import TensorParallel
 
 
 class MLAttention(nn.Module):
-    """MLA with a paged latent cache; ``config`` is a transformers ``DeepseekV3Config``."""
+    """MLA with a paged latent cache; ``config`` is a transformers ``DeepseekV3Config``.
 
-    def __init__(self, config, layer_idx: int, softmax_scale: float):
+    Raises:
+        ValueError: ``num_attention_heads`` not divisible by the tensor-parallel size.
+    """
+
+    def __init__(self, config, layer_idx: int, softmax_scale: float, tp: TensorParallel | None = None):
         super().__init__()
+        tp = tp or TensorParallel.single()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
+        self.num_heads = tp.split(config.num_attention_heads, "num_attention_heads")  # heads on this rank
         self.q_lora_rank = config.q_lora_rank
         self.kv_lora_rank = config.kv_lora_rank
         self.qk_nope_head_dim = config.qk_nope_head_dim
@@ -41,16 +53,17 @@ class MLAttention(nn.Module):
         self.softmax_scale = softmax_scale
         hidden, bias = config.hidden_size, bool(config.attention_bias)
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, self.num_heads * self.qk_head_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(hidden, config.num_attention_heads * self.qk_head_dim, tp=tp)
         else:
             self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank)  # eps 1e-6 as in transformers, not rms_norm_eps
-            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, config.num_attention_heads * self.qk_head_dim,
+                                                 tp=tp)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
-                                   bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=bias)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank, config.num_attention_heads * (self.qk_nope_head_dim + self.v_head_dim), tp=tp)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.v_head_dim, hidden, bias=bias, tp=tp)
 
     @property
     def cache_row_size(self) -> int:

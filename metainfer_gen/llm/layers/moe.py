@@ -5,6 +5,11 @@ affinities plus a load-balancing bias choose experts, but only within the ``topk
 groups (a group's score is the sum of its two best biased affinities); the chosen experts are weighted by their
 *unbiased* affinities, normalised when ``norm_topk_prob``, times ``routed_scaling_factor``. Shared experts run on
 every token. Experts are one ``nn.Module`` each, named as checkpoints store them (``experts.N.gate_proj``).
+
+Tensor parallelism: the dense MLP and the shared experts split their intermediate dimension (gate/up
+column-parallel, down row-parallel); the routed experts are split whole across ranks (expert parallelism: rank
+``r`` of ``s`` holds experts ``e`` with ``e * s // E == r``, contiguous ranges), the router is replicated, and one
+all-reduce sums the routed and shared partial outputs of a MoE layer.
 """
 
 from __future__ import annotations
@@ -13,15 +18,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metainfer_gen.llm.layers.linear import ColumnParallelLinear, RowParallelLinear
+from metainfer_gen.llm.parallel import TensorParallel
+
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; (T, hidden) -> (T, hidden).
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    Args:
+        tp: split the intermediate dimension over this group (None: one process).
+        reduce: sum the down projection over the group (False: return this rank's partial sum).
+    Raises:
+        ValueError: ``intermediate_size`` not divisible by the tensor-parallel size.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallel | None = None,
+                 reduce: bool = True):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp=tp)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -59,22 +75,41 @@ class TopKRouter(nn.Module):
         return weights * self.routed_scaling_factor, ids
 
 
-class MoE(nn.Module):
-    """Routed experts + shared experts; ``forward`` (T, hidden) -> (T, hidden)."""
+def local_experts(num_experts: int, tp: TensorParallel) -> list[int]:
+    """The routed experts rank ``tp.rank`` holds: a contiguous range, sizes differing by at most one."""
+    return [e for e in range(num_experts) if e * tp.size // num_experts == tp.rank]
 
-    def __init__(self, config):
+
+class MoE(nn.Module):
+    """Routed experts + shared experts; ``forward`` (T, hidden) -> (T, hidden).
+
+    ``experts`` is a ``ModuleDict`` keyed by the global expert id (``"0"``, ``"1"``, ...), so parameter names match
+    the checkpoint's ``mlp.experts.N.*`` and a rank holds only its own experts.
+    Raises:
+        ValueError: fewer routed experts than ranks, or shared-expert width not divisible by the size.
+    """
+
+    def __init__(self, config, tp: TensorParallel | None = None):
         super().__init__()
+        self.tp = tp = tp or TensorParallel.single()
+        if config.n_routed_experts < tp.size:
+            raise ValueError(f"n_routed_experts={config.n_routed_experts} is below tensor_parallel_size={tp.size}: "
+                             f"some ranks would hold no expert")
         self.gate = TopKRouter(config)
-        self.experts = nn.ModuleList(MLP(config.hidden_size, config.moe_intermediate_size)
-                                     for _ in range(config.n_routed_experts))
-        self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+        self.experts = nn.ModuleDict({str(e): MLP(config.hidden_size, config.moe_intermediate_size)
+                                      for e in local_experts(config.n_routed_experts, tp)})
+        self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, tp=tp,
+                                  reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = torch.zeros_like(x)
-        # Loop over the experts that received tokens (a grouped GEMM on GPU is the FP8 issue's business).
+        # Loop over the local experts that received tokens (a grouped GEMM on GPU is the FP8 issue's business).
         for expert_id in ids.unique().tolist():
+            expert = self.experts[str(expert_id)] if str(expert_id) in self.experts else None
+            if expert is None:
+                continue  # held by another rank
             tokens, slots = torch.where(ids == expert_id)
-            y = self.experts[expert_id](x[tokens]) * weights[tokens, slots, None]
+            y = expert(x[tokens]) * weights[tokens, slots, None]
             out.index_add_(0, tokens, y.to(x.dtype))
-        return out + self.shared_experts(x)
+        return self.tp.all_reduce(out + self.shared_experts(x))

@@ -13,9 +13,11 @@ import torch
 from torch import nn
 
 from metainfer_gen.llm.attention_metadata import AttentionMetadata
+from metainfer_gen.llm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from metainfer_gen.llm.layers.mla import MLAttention
 from metainfer_gen.llm.layers.moe import MLP, MoE
 from metainfer_gen.llm.layers.norm import RMSNorm
+from metainfer_gen.llm.parallel import TensorParallel
 
 
 def softmax_scale(config) -> float:
@@ -46,11 +48,11 @@ class RotaryTables(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, scale: float):
+    def __init__(self, config, layer_idx: int, scale: float, tp: TensorParallel):
         super().__init__()
-        self.self_attn = MLAttention(config, layer_idx, scale)
+        self.self_attn = MLAttention(config, layer_idx, scale, tp)
         dense = layer_idx < config.first_k_dense_replace or not config.n_routed_experts
-        self.mlp = MLP(config.hidden_size, config.intermediate_size) if dense else MoE(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, tp) if dense else MoE(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -62,11 +64,11 @@ class DecoderLayer(nn.Module):
 class DeepseekV3Model(nn.Module):
     """Embedding, decoder layers, final norm (checkpoint prefix ``model.``)."""
 
-    def __init__(self, config, max_positions: int):
+    def __init__(self, config, max_positions: int, tp: TensorParallel):
         super().__init__()
         scale = softmax_scale(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, scale) for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, scale, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryTables(config, max_positions)
 
@@ -84,13 +86,20 @@ class DeepseekV3ForCausalLM(nn.Module):
     Args:
         config: a transformers ``DeepseekV3Config`` (``model_type`` ``deepseek_v3``).
         max_positions: size of the rotary tables (the engine's ``max_model_len``).
+        tp: tensor-parallel placement (None: one process). Every rank runs the same forward on the same tokens;
+            each holds its heads, intermediate columns, experts and vocabulary rows, and the logits come out whole
+            on every rank.
+    Raises:
+        ValueError: a dimension the tensor-parallel size does not divide (heads, intermediate sizes).
     """
 
-    def __init__(self, config, max_positions: int):
+    def __init__(self, config, max_positions: int, tp: TensorParallel | None = None):
         super().__init__()
+        tp = tp or TensorParallel.single()
         self.config = config
-        self.model = DeepseekV3Model(config, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp
+        self.model = DeepseekV3Model(config, max_positions, tp)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -106,5 +115,5 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model(input_ids, meta, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(R, hidden) -> (R, vocab) float32."""
-        return self.lm_head(hidden).float()
+        """(R, hidden) -> (R, vocab) float32 (whole on every rank under tensor parallelism)."""
+        return self.lm_head(hidden)

@@ -1,0 +1,98 @@
+"""Tensor-parallel linear layers with a weight loader per layer (nano-vllm ``layers/linear.py``, Megatron-LM).
+
+- :class:`ColumnParallelLinear`: the output features are split; rank ``r`` holds rows ``[r*n:(r+1)*n]`` of the
+  weight (out/size, in) and produces its slice of the output, no communication.
+- :class:`RowParallelLinear`: the input features are split; rank ``r`` holds columns of the weight (out, in/size),
+  multiplies its slice of the input, and the partial products are summed over the group (``reduce=False`` leaves
+  the sum to the caller, which lets a MoE layer fold routed and shared experts into one all-reduce). The bias is
+  added once, after the sum.
+
+Each parameter carries ``weight_loader(full) -> shard``, which :func:`metainfer_gen.llm.loader.load_model` calls
+with the checkpoint's full tensor, so checkpoints stay in their one-process layout. With ``TensorParallel.single()``
+both classes compute exactly what ``nn.Linear`` computes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from metainfer_gen.llm.parallel import TensorParallel
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+
+
+class _ParallelLinear(nn.Module):
+    def __init__(self, weight_shape: tuple[int, int], bias_size: int | None, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(weight_shape))
+        self.weight.weight_loader = self._load_weight
+        if bias_size is None:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = nn.Parameter(torch.empty(bias_size))
+            self.bias.weight_loader = self._load_bias
+
+    def _load_weight(self, full: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _load_bias(self, full: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y[:, shard] = x @ W[shard].T (+ b[shard])``: x (T, in) replicated -> (T, out / size).
+
+    Raises:
+        ValueError: ``out_features`` not divisible by the tensor-parallel size.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp: TensorParallel | None = None):
+        tp = tp or TensorParallel.single()
+        self.in_features, self.out_features = in_features, out_features
+        self.out_per_rank = tp.split(out_features, "out_features")
+        super().__init__((self.out_per_rank, in_features), self.out_per_rank if bias else None, tp)
+
+    def _load_weight(self, full: torch.Tensor) -> torch.Tensor:
+        return full.narrow(0, self.tp.rank * self.out_per_rank, self.out_per_rank)
+
+    _load_bias = _load_weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``y = sum over ranks of x[:, shard] @ W[:, shard].T (+ b)``: x (T, in / size) -> (T, out) on every rank.
+
+    Args:
+        reduce: sum over the group here (default); False returns this rank's partial product without the bias,
+            for a caller that sums several partial results with one all-reduce (and then adds the bias itself).
+    Raises:
+        ValueError: ``in_features`` not divisible by the tensor-parallel size.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp: TensorParallel | None = None, reduce: bool = True):
+        tp = tp or TensorParallel.single()
+        self.in_features, self.out_features, self.reduce = in_features, out_features, reduce
+        self.in_per_rank = tp.split(in_features, "in_features")
+        super().__init__((out_features, self.in_per_rank), out_features if bias else None, tp)
+
+    def _load_weight(self, full: torch.Tensor) -> torch.Tensor:
+        return full.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank)
+
+    def _load_bias(self, full: torch.Tensor) -> torch.Tensor:
+        return full
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight)
+        if not self.reduce:
+            return y
+        y = self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias

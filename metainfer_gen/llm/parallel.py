@@ -1,0 +1,85 @@
+"""Tensor-parallel placement for the engine's layers: which rank of how many, and the group to reduce over.
+
+A :class:`TensorParallel` is handed to every layer constructor (no process-wide mutable state), so a model built
+with ``TensorParallel.single()`` is the plain one-process model and never touches torch.distributed. Collectives go
+through :mod:`metainfer_gen.collectives` (shared memory on one host, audited backend fallback otherwise).
+
+Source followed: nano-vllm ``layers/linear.py`` (``tp_rank``/``tp_size`` read per layer) with the rank passed in
+instead of read from ``dist.get_rank()``; Megatron-LM for the column/row split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["TensorParallel", "shard_range"]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallel:
+    """This process's place in the tensor-parallel group.
+
+    Attributes:
+        rank: index in the group, 0 <= rank < size.
+        size: number of ranks splitting each layer.
+        group: the collectives group name ("tp") or handle; unused when ``size == 1``.
+    Raises:
+        ValueError: size < 1 or rank outside [0, size).
+    """
+
+    rank: int = 0
+    size: int = 1
+    group: object = "tp"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"tensor-parallel size must be an int >= 1; got {self.size!r}")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank must be in [0, {self.size}); got {self.rank!r}")
+
+    @classmethod
+    def single(cls) -> "TensorParallel":
+        return cls()
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    def split(self, total: int, what: str) -> int:
+        """``total / size``.
+
+        Raises:
+            ValueError: ``total`` is not divisible by the size (``what`` names the dimension in the message).
+        """
+        if total % self.size:
+            raise ValueError(f"{what}={total} is not divisible by tensor_parallel_size={self.size}; choose a size "
+                             f"that divides it")
+        return total // self.size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the group in place (identity when ``size == 1``)."""
+        if self.size == 1:
+            return x
+        from metainfer_gen import collectives
+
+        return collectives.all_reduce(x.contiguous(), group=self.group)
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """(R, n) on each rank -> (R, size * n), rank ``q``'s columns at ``[q*n:(q+1)*n]``."""
+        if self.size == 1:
+            return x
+        from metainfer_gen import collectives
+
+        rows, n = x.shape
+        out = torch.empty(self.size, rows, n, dtype=x.dtype, device=x.device)
+        collectives.all_gather(out, x.contiguous(), group=self.group)
+        return out.permute(1, 0, 2).reshape(rows, self.size * n)
+
+
+def shard_range(total: int, tp: TensorParallel) -> tuple[int, int]:
+    """``[start, end)`` of this rank's contiguous share of ``total`` rows, padding the last shards when ``total``
+    does not divide (shard size ``ceil(total / size)``; ``end`` may exceed ``total``)."""
+    shard = -(-total // tp.size)
+    return tp.rank * shard, (tp.rank + 1) * shard
