@@ -110,10 +110,10 @@ def load_backend(args: argparse.Namespace, output_dir: Path):
         try:
             llm = pipelines.TextGenerationPipeline.from_pretrained(args.llm_model, device=args.device,
                                                                    torch_dtype=dtype)
-        except FileNotFoundError as exc:
+        except Exception as exc:  # noqa: BLE001 - the embedded LLM may be missing or half-built; never fatal
             if args.llm_model:
                 raise
-            notes.append(f"The LLM tab is not shown: {exc}")
+            notes.append(f"The LLM tab is not shown: {type(exc).__name__}: {exc}")
     return DemoBackend(t2v=t2v, i2v=i2v, llm=llm, output_dir=output_dir, limits=limits_from_args(args), notes=notes)
 
 

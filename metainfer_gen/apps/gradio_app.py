@@ -7,6 +7,7 @@ A tab appears only when its model loaded: no control here does nothing.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from metainfer_gen.apps.demo_backend import IMAGE_TO_VIDEO, TEXT_TO_VIDEO, DemoBackend, cache_choices
@@ -28,13 +29,13 @@ def _errors_to_page(fn):
     """Run ``fn``; a ValueError/TypeError/FileNotFoundError becomes a ``gr.Error`` the page shows as a toast."""
     gr = _gradio()
 
+    @functools.wraps(fn)  # gradio reads the signature through __wrapped__ to inject gr.Progress
     def wrapped(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except (ValueError, TypeError, FileNotFoundError) as exc:
             raise gr.Error(str(exc), print_exception=False) from None
 
-    wrapped.__name__ = fn.__name__
     return wrapped
 
 

@@ -178,7 +178,8 @@ def test_an_i2v_only_checkpoint_serves_the_image_tab_next_to_a_t2v_model(tiny_wa
     monkeypatch.setattr(text_generation, "DEFAULT_LLM_DIR", "no_such_llm")
     backend = load_backend(demo_args(model=tiny_wan_dir, i2v_model=tiny_wan_i2v_dir), tmp_path)
     assert backend.i2v.diffusers_pipeline.transformer is not backend.t2v.diffusers_pipeline.transformer
-    assert backend.llm is None and any(note.startswith("The LLM tab is not shown: ") for note in backend.notes)
+    assert backend.llm is None
+    assert any(note.startswith("The LLM tab is not shown: FileNotFoundError: ") for note in backend.notes)
     result = backend.image_to_video(Image.new("RGB", (32, 32)), PROMPT, None, *SMALL.values(), "off")
     assert read_video(result.path).shape == (5, 32, 32, 3)
 
@@ -200,6 +201,16 @@ def test_the_page_shows_one_tab_per_loaded_model(backend):
     ids = {c["props"].get("elem_id") for c in config["components"]}
     assert {"t2v-generate", "i2v-image", "i2v-generate"} <= ids and "llm-generate" not in ids
     assert not any("lora" in str(c["props"].get("label", "")).lower() for c in config["components"])
+    # gradio shows a progress bar only for functions whose signature has a gr.Progress default (read through
+    # the error wrapper's __wrapped__).
+    import inspect
+
+    import gradio as gr
+
+    app = build_app(backend)
+    generate = [f.fn for f in app.fns.values() if f.api_name == "t2v_generate"]
+    assert len(generate) == 1
+    assert isinstance(inspect.signature(generate[0]).parameters["progress"].default, gr.Progress)
     with pytest.raises(ValueError, match="no model to show"):
         build_app(DemoBackend(t2v=None, i2v=None, llm=None, output_dir=backend.output_dir))
 
