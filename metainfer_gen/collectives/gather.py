@@ -39,7 +39,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, *, async_o
     Args:
         output: contiguous, ``world_size x input.numel()`` elements, same dtype and device as ``input``.
         input: contiguous, any shape; the same numel and dtype on every rank.
-        group / async_op / strict / site: as for :func:`~metainfer_gen.collectives.allreduce.all_reduce`.
+        group / async_op / strict / site: as for :func:`~metainfer_gen.collectives.allreduce.all_reduce` (on the
+            backend path an ``async_op`` call runs synchronously and returns a completed Work).
     Returns:
         ``output`` (or a Work whose ``wait()`` returns it).
     Raises:
@@ -98,7 +99,9 @@ def _backend(op, handle, output, input, refusals, nbytes, site, strict, async_op
     if handle.comm is not None:
         handle.comm.drain()
     if op == "all_gather":
-        dist.all_gather_into_tensor(output.view(-1), input.view(-1), group=handle.group)
+        # torch 2.13 renamed all_gather_into_tensor (now deprecated with a warning) to all_gather_single
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(output.view(-1), input.view(-1), group=handle.group)
     else:
         dist.reduce_scatter_tensor(output.view(-1), input.view(-1), group=handle.group)
     return Work.completed(output) if async_op else output

@@ -182,6 +182,9 @@ class ShmChannel:
         self._abort = self._words[world_size * 8:]
         self._base = self._words.ctypes.data
         self.peers = [r for r in range(world_size) if r != rank]
+        # Ranks in another PID namespace (containers sharing /dev/shm) have pids this process cannot see: then only
+        # the timeout and the abort flag detect a lost peer.
+        self.watch_pids = all(_pid_alive(self.pids[p]) for p in self.peers)
         self.seq = int(self.headers[rank, SEQ])
         self.broken: str | None = None
 
@@ -244,7 +247,7 @@ class ShmChannel:
             if abort[0]:
                 self.check_usable()
             now = time.monotonic()
-            dead = [p for p in pending if not _pid_alive(self.pids[p])]
+            dead = [p for p in pending if self.watch_pids and not _pid_alive(self.pids[p])]
             if dead or now > deadline:
                 why = (f"rank {dead[0]} (pid {self.pids[dead[0]]}) died" if dead else
                        f"rank {pending[0]} did not reach collective #{seq} within {self.timeout_s:g} s")

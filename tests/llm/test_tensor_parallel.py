@@ -81,3 +81,37 @@ def test_tp2_greedy_tokens_equal_tp1(hf_checkpoint, tmp_path):
     assert results[0]["logits"] == results[1]["logits"]  # every rank samples from the same logits
     experts = [set(results[r]["local_experts"]) for r in (0, 1)]
     assert not experts[0] & experts[1]  # routed experts split, none duplicated
+
+
+def test_engine_tp2_under_torchrun(moe_checkpoint, tmp_path):
+    """The documented launch: ``torchrun --nproc-per-node 2`` with EngineConfig(tensor_parallel_size=2)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model, path = moe_checkpoint
+    prompts = random_prompts(3, model.config.vocab_size, (4, 9), seed=3)
+    tp1 = LLMEngine.from_pretrained(path, EngineConfig(block_size=4))
+    expected = [o.token_ids for o in tp1.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.0,
+                                                                            ignore_eos=True))]
+    out = tmp_path / "tokens.json"
+    script = Path(__file__).with_name("tp_torchrun_main.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "METAINFER_COLLECTIVES_TUNE": "0",
+           "METAINFER_COLLECTIVES_CACHE": str(tmp_path / "collectives.json")}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(_free_port()), str(script), str(path), str(out),
+                             json.dumps(prompts), "6"],
+                            capture_output=True, text=True, env=env, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["tokens"] == expected
+    assert got["last_path"].startswith("shm_")
+    assert got["run_id"]  # torchrun's job id, which keys the shared-memory segment names
+
+
+def _free_port() -> int:
+    from metainfer_gen.collectives.distributed import free_port
+
+    return free_port()
