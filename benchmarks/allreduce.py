@@ -22,6 +22,7 @@ _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 def parse_size(text: str) -> int:
+    """Parse "4K" / "1M" / "64MB" / "4096" into bytes."""
     text = text.strip().upper().removesuffix("B")
     if text and text[-1] in _UNITS:
         return int(float(text[:-1]) * _UNITS[text[-1]])
@@ -29,6 +30,7 @@ def parse_size(text: str) -> int:
 
 
 def human(nbytes: int) -> str:
+    """bytes -> "4 KB", "64 MB" (exact units only)."""
     for unit, k in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
         if nbytes >= k and nbytes % k == 0:
             return f"{nbytes // k} {unit}"

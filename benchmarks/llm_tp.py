@@ -32,6 +32,7 @@ QUICK = {**MODEL, "hidden_size": 128, "intermediate_size": 256, "moe_intermediat
 
 
 def build_checkpoint(path: Path, shape: dict) -> None:
+    """Save a seeded random DeepSeek-V3 of ``shape`` with transformers' ``save_pretrained``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -79,6 +79,7 @@ class ShmCommunicator:
 
     @staticmethod
     def segment_bytes(world_size: int, slot_bytes: int) -> int:
+        """Size of the segment: headers (page-aligned) plus two parities of ``world_size`` slots."""
         return _round_up(ShmChannel.header_bytes(world_size), _ALIGN) + 2 * world_size * slot_bytes
 
     @classmethod
@@ -281,6 +282,7 @@ class ShmCommunicator:
 
     @property
     def usable(self) -> bool:
+        """False once this rank or a peer aborted (timeout, dead peer); then every call raises."""
         try:
             self.channel.check_usable()
         except CollectiveAborted:

@@ -118,11 +118,25 @@ def shm_refusals(handle: GroupHandle, tensors: list[torch.Tensor], impl: str) ->
     comm.channel.check_usable()
     for t in tensors:
         if t.device.type != "cpu":
-            return (Refusal(impl, f"tensor on {t.device}: the CUDA IPC path is not built yet, so "
-                                  f"{get_state().backend} serves device tensors"),)
+            return (Refusal(impl, f"tensor on {t.device}: {_device_reason()}; {get_state().backend} serves device "
+                                  f"tensors"),)
         if t.dtype not in DTYPE_CODES:
             return (Refusal(impl, f"dtype {t.dtype} has no shared-memory kernel"),)
     return ()
+
+
+@functools.lru_cache(maxsize=1)
+def _device_reason() -> str:
+    """Why device tensors skip the shared-memory path, with the links seen (probed once per process)."""
+    from metainfer_gen.collectives.topology import LinkKind, gpu_links
+
+    links = gpu_links()
+    missing = sorted(pair for pair, kind in links.items() if kind == LinkKind.NO_PEER)
+    seen = ", ".join(f"{i}-{j} {kind}" for (i, j), kind in sorted(links.items()) if i < j) or "one GPU visible"
+    if missing:
+        return (f"no peer access between GPU {missing[0][0]} and {missing[0][1]} (links: {seen}), and the CUDA IPC "
+                f"all-reduce is not built in this version")
+    return f"the CUDA IPC all-reduce is not built in this version (links: {seen})"
 
 
 def finish(op: str, handle: GroupHandle, path: str, refusals: tuple[Refusal, ...], reason: str, nbytes: int,

@@ -53,6 +53,7 @@ class GroupHandle:
 
     @property
     def size(self) -> int:
+        """Number of ranks in the group."""
         return len(self.ranks)
 
 

@@ -33,6 +33,7 @@ class Work:
         self._done.set()
 
     def is_completed(self) -> bool:
+        """True once the collective finished (successfully or not); never blocks."""
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -50,6 +51,7 @@ class Work:
 
     @classmethod
     def completed(cls, result: Any = None) -> "Work":
+        """A handle that is already done (for paths that ran synchronously)."""
         work = cls(result)
         work._done.set()
         return work
@@ -63,9 +65,11 @@ class BackendWork(Work):
         self._work, self._after = work, after
 
     def is_completed(self) -> bool:
+        """True once the backend reports completion."""
         return self._done.is_set() or self._work.is_completed()
 
     def wait(self, timeout: float | None = None) -> Any:
+        """Wait on the backend work (``timeout`` seconds, None for the backend's own) and return the output."""
         if not self._done.is_set():
             import datetime
 
@@ -122,6 +126,7 @@ class Worker:
             self._cond.wait_for(lambda: self._pending == 0)
 
     def stop(self) -> None:
+        """End the thread after the queued functions (joins for up to 5 s)."""
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=5)

@@ -53,6 +53,7 @@ class Thresholds:
     timings_us: dict = field(default_factory=dict)
 
     def describe(self) -> str:
+        """One line for logs and tables: the threshold, the chunk, where the numbers came from."""
         when = f" {self.measured_at}" if self.measured_at else ""
         limit = "any size" if self.one_shot_max_bytes >= UNBOUNDED else f"<= {self.one_shot_max_bytes} B"
         return f"one-shot {limit}, chunk {self.chunk_bytes} B ({self.source}{when})"

@@ -41,10 +41,12 @@ class TensorParallel:
 
     @classmethod
     def single(cls) -> "TensorParallel":
+        """One process: rank 0 of 1 (layers behave exactly as plain torch layers)."""
         return cls()
 
     @property
     def enabled(self) -> bool:
+        """True when more than one rank splits the layers."""
         return self.size > 1
 
     def split(self, total: int, what: str) -> int:
