@@ -97,13 +97,16 @@ def copy_example(rng: random.Random, words: list[str], num_words: int) -> Exampl
     return Example(f"{seq} repeat: ", seq + ".")
 
 
-def training_text(rng: random.Random, sentences: list[str], words: list[str], num_chars: int) -> Example:
-    """One training sample of about ``num_chars`` characters: a task (70%) or plain prose (30%)."""
+def training_text(rng: random.Random, sentences: list[str], words: list[str], num_chars: int,
+                  prose_share: float = 0.3) -> Example:
+    """One training sample of about ``num_chars`` characters: plain prose with probability ``prose_share``, else
+    a task (passkey 4/7, key-value recall 3/14, copying 3/14 of the rest)."""
     kind = rng.random()
-    if kind < 0.4:
+    if kind < prose_share:
+        return Example("", filler(rng, sentences, num_chars))
+    kind = (kind - prose_share) / (1 - prose_share)
+    if kind < 4 / 7:
         return passkey_example(rng, sentences, rng.randint(num_chars // 4, num_chars))
-    if kind < 0.55:
+    if kind < 11 / 14:
         return kv_example(rng, rng.randint(2, 12))
-    if kind < 0.7:
-        return copy_example(rng, words, rng.randint(3, 12))
-    return Example("", filler(rng, sentences, num_chars))
+    return copy_example(rng, words, rng.randint(3, 12))

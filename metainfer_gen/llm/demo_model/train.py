@@ -44,18 +44,23 @@ def load_or_train_tokenizer(work_dir, sentences, words, seed: int):
 
 
 def encode_batch(tokenizer, examples, context: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, context) input ids padded with eos, and (B, context) loss weights (0 on padding, 4 on answers)."""
-    ids = torch.full((len(examples), context), tokenizer.eos_token_id, dtype=torch.long)
-    weights = torch.zeros(len(examples), context)
-    for row, ex in enumerate(examples):
+    """(B, L) input ids padded with eos to the longest sample (L <= context), and (B, L) loss weights (0 on
+    padding, 4 on answers). A sample longer than ``context`` keeps its answer and loses the start of its prose."""
+    rows = []
+    for ex in examples:
         prompt = tokenizer(ex.prompt)["input_ids"]
         answer = tokenizer(ex.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        tokens = (prompt + answer)[-context:] if len(prompt) + len(answer) > context else prompt + answer
-        if len(prompt) + len(answer) > context:  # keep the answer; drop the start of the prose
-            tokens = [tokenizer.bos_token_id] + tokens[1:]
+        tokens = prompt + answer
+        if len(tokens) > context:
+            tokens = [tokenizer.bos_token_id] + tokens[len(tokens) - context + 1:]
+        rows.append((tokens, len(answer)))
+    width = max(len(t) for t, _ in rows)
+    ids = torch.full((len(examples), width), tokenizer.eos_token_id, dtype=torch.long)
+    weights = torch.zeros(len(examples), width)
+    for row, (tokens, num_answer) in enumerate(rows):
         ids[row, : len(tokens)] = torch.tensor(tokens)
         weights[row, : len(tokens)] = 1.0
-        weights[row, len(tokens) - len(answer): len(tokens)] = ANSWER_WEIGHT
+        weights[row, len(tokens) - num_answer: len(tokens)] = ANSWER_WEIGHT
     return ids, weights
 
 
@@ -82,6 +87,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="samples per step")
     parser.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights, tokenizer and data")
+    parser.add_argument("--max-chars", type=int, default=int(1.9 * configs.CONTEXT),
+                        help="characters of prose per sample at most (about 2 per token)")
+    parser.add_argument("--prose-share", type=float, default=0.3, help="share of plain-prose samples")
+    parser.add_argument("--init-from", default=None,
+                        help="start a new stage (fresh optimiser and schedule) from a saved checkpoint and its "
+                             "tokenizer")
     args = parser.parse_args(argv)
 
     sentences = prose_sentences()
@@ -90,15 +101,24 @@ def main(argv: list[str] | None = None) -> None:
 
     work_dir = Path(args.work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
+    if args.init_from and not (work_dir / "tokenizer" / "tokenizer.json").exists():
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(args.init_from).save_pretrained(work_dir / "tokenizer")
     tokenizer = load_or_train_tokenizer(work_dir, sentences, words, args.seed)
     model = build_model(len(tokenizer), args.seed)
+    if args.init_from:
+        from transformers import AutoModelForCausalLM
+
+        model.load_state_dict(AutoModelForCausalLM.from_pretrained(args.init_from, dtype=torch.float32).state_dict())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     run = ResumableRun(work_dir, model, optimizer)
     model.train()
     while run.step < args.steps:
         run.set_learning_rate(args.lr, args.steps, warmup_steps=100)
         rng = random.Random(args.seed * 1_000_003 + run.step)
-        examples = [training_text(rng, sentences, words, int(1.9 * configs.CONTEXT)) for _ in range(args.batch_size)]
+        examples = [training_text(rng, sentences, words, args.max_chars, args.prose_share)
+                    for _ in range(args.batch_size)]
         ids, weights = encode_batch(tokenizer, examples, configs.CONTEXT)
         loss = loss_fn(model(ids).logits, ids, weights)
         run.optimizer_step(loss)
