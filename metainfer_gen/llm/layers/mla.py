@@ -117,10 +117,12 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)  # (N, dn, r), (N, dv, r)
         q_latent = torch.einsum("bnd,ndr->bnr", q_nope, w_uk)
-        context = cache_rows[meta.decode_slots].to(q_nope.dtype)  # (B, L, r + dr)
-        c_kv, k_pe = context.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        scores = torch.einsum("bnr,blr->bnl", q_latent, c_kv) + torch.einsum("bnd,bld->bnl", q_pe, k_pe)
+        # The cache row is [c_kv, k_pe], so [q_latent, q_pe] scores both parts in one batched matmul.
+        query = torch.cat([q_latent, q_pe], dim=-1)  # (B, N, r + dr)
+        slots = meta.decode_slots
+        context = cache_rows.index_select(0, slots.flatten()).view(*slots.shape, -1).to(q_nope.dtype)  # (B, L, r+dr)
+        scores = torch.matmul(query, context.transpose(1, 2))  # (B, N, L)
         scores = (scores.float() * self.softmax_scale).masked_fill(~meta.decode_valid[:, None, :], float("-inf"))
-        probs = scores.softmax(-1).to(c_kv.dtype)
-        out_latent = torch.einsum("bnl,blr->bnr", probs, c_kv)
+        probs = scores.softmax(-1).to(context.dtype)
+        out_latent = torch.matmul(probs, context[..., : self.kv_lora_rank])  # (B, N, r)
         return torch.einsum("bnr,nvr->bnv", out_latent, w_uv)

@@ -104,12 +104,19 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = torch.zeros_like(x)
-        # Loop over the local experts that received tokens (a grouped GEMM on GPU is the FP8 issue's business).
-        for expert_id in ids.unique().tolist():
-            expert = self.experts[str(expert_id)] if str(expert_id) in self.experts else None
-            if expert is None:
-                continue  # held by another rank
-            tokens, slots = torch.where(ids == expert_id)
-            y = expert(x[tokens]) * weights[tokens, slots, None]
-            out.index_add_(0, tokens, y.to(x.dtype))
+        # Group the (token, slot) pairs by expert with one sort, then one matmul chain per local expert that
+        # received tokens (a grouped GEMM on GPU is the FP8 issue's business).
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.gate.num_experts).tolist()
+        token_of = order // ids.shape[1]
+        weight_of = weights.flatten()[order]
+        start = 0
+        for expert_id, count in enumerate(counts):
+            end = start + count
+            if count and str(expert_id) in self.experts:  # others are held by other ranks
+                tokens = token_of[start:end]
+                y = self.experts[str(expert_id)](x[tokens]) * weight_of[start:end, None]
+                out.index_add_(0, tokens, y.to(x.dtype))
+            start = end
         return self.tp.all_reduce(out + self.shared_experts(x))
