@@ -179,10 +179,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_device(device: str | None) -> None:
+    """Refuse a device this machine cannot use before anything loads.
+
+    Raises:
+        ValueError: an unparsable device string, or CUDA asked for where torch sees no CUDA device.
+    """
+    if device is None:
+        return
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device} asked for CUDA, but this torch build sees no CUDA device "
+                         f"(torch {torch.__version__}); use --device cpu or install a CUDA build of torch")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the process exit code."""
     args = build_parser().parse_args(argv)
     try:
+        _check_device(getattr(args, "device", None))
         return args.func(args)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -14,7 +14,7 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory or hub id (default: the embedded LLM)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all (default 0)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 or -1 keeps all (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed (default: engine seed)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")

@@ -101,7 +101,14 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a text prompt (with the tokenizer's special tokens) or of a list of ids.
+
+        Raises:
+            ValueError: an empty or whitespace-only text, or a text prompt for a checkpoint without a tokenizer.
+        """
         if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("empty prompt: give some text")
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer; pass prompts as lists of token ids")
             return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])

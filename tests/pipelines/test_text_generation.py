@@ -53,3 +53,14 @@ def test_cli_generate_errors(text_checkpoint, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["generate", "hi", "--model", str(path), "--top-p", "2"]) == 2
     assert "top_p" in capsys.readouterr().err
+
+
+def test_cli_refuses_empty_text_and_unusable_devices(text_checkpoint, capsys):
+    _, _, path = text_checkpoint
+    assert main(["generate", "  ", "--model", str(path)]) == 2
+    assert "empty prompt" in capsys.readouterr().err
+    assert main(["generate", "hi", "--model", str(path), "--device", "tpu0"]) == 2
+    assert "is not a device" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["generate", "hi", "--model", str(path), "--device", "cuda"]) == 2
+        assert "sees no CUDA device" in capsys.readouterr().err
