@@ -15,8 +15,7 @@ Importing this package is cheap: the modules (which import torch) load on first 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from metainfer_gen._lazy import lazy_exports
 
 _EXPORTS = {
     "init_distributed": "metainfer_gen.collectives.distributed",
@@ -40,12 +39,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'metainfer_gen.collectives' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this hook: collectives sit on hot paths
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)

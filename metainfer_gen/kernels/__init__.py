@@ -14,8 +14,7 @@ access, and Triton kernels are built on their first launch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from metainfer_gen._lazy import lazy_exports
 
 _EXPORTS = {
     "rms_norm": "metainfer_gen.kernels.norm",
@@ -41,10 +40,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'metainfer_gen.kernels' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

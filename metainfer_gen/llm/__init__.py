@@ -5,8 +5,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from metainfer_gen._lazy import lazy_exports
 
 _EXPORTS = {
     "LLMEngine": "metainfer_gen.llm.engine",
@@ -16,9 +15,4 @@ _EXPORTS = {
     "RequestOutput": "metainfer_gen.llm.outputs",
 }
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

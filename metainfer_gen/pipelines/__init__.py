@@ -5,7 +5,7 @@ Classes load lazily so that importing this module costs nothing until a pipeline
 
 from __future__ import annotations
 
-from typing import Any
+from metainfer_gen._lazy import lazy_exports
 
 _EXPORTS = {
     "TextToVideoPipeline": "metainfer_gen.pipelines.text_to_video",
@@ -14,11 +14,4 @@ _EXPORTS = {
     "TextGenerationPipeline": "metainfer_gen.pipelines.text_generation",
 }
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'metainfer_gen.pipelines' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -8,7 +8,7 @@ Names load lazily: importing this package imports neither torch nor diffusers.
 
 from __future__ import annotations
 
-from typing import Any
+from metainfer_gen._lazy import lazy_exports
 
 _EXPORTS = {
     "StepCacheConfig": "metainfer_gen.video.cache.config",
@@ -25,11 +25,4 @@ _EXPORTS = {
     "count_block_evaluations": "metainfer_gen.video.cache.counting",
 }
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'metainfer_gen.video.cache' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
