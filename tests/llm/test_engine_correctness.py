@@ -72,7 +72,7 @@ def test_chunked_prefill_identical(references, budget):
     assert [o.token_ids for o in outputs] == expected[:6]
 
 
-@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("block_size", [1, 16, 64])
 def test_block_sizes(references, block_size):
     model, path, prompts, expected = references
     engine = LLMEngine.from_pretrained(path, EngineConfig(block_size=block_size))
@@ -115,3 +115,17 @@ def test_preemption_keeps_tokens(references):
     assert engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outputs] == expected[3:9]
     assert engine.block_manager.num_free_blocks == 24
+
+
+def test_deepseek_head_dims_576_row(tmp_path):
+    """DeepSeek-V3's real MLA widths (latent 512 + rope 64 = 576 per cache row, nope/v 128) on a tiny model."""
+    from tests.llm.checkpoints import make_hf_model
+
+    model = make_hf_model("moe", kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                          num_attention_heads=2, num_key_value_heads=2)
+    model.save_pretrained(tmp_path)
+    engine = LLMEngine.from_pretrained(tmp_path, EngineConfig(block_size=64))
+    assert engine.runner.kv_caches[0].shape[-1] == 576
+    prompts = random_prompts(3, model.config.vocab_size, (5, 70, 130))
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == [hf_greedy(model, p, 8) for p in prompts]
