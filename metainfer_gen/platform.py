@@ -232,3 +232,26 @@ def triton_status() -> TritonStatus:
         return TritonStatus(TritonMode.UNAVAILABLE, version,
                             "CPU-only machine: Triton compiles for CUDA/ROCm GPUs only (TRITON_INTERPRET=1 interprets)")
     return TritonStatus(TritonMode.COMPILE, version, "")
+
+
+def default_device() -> str:
+    """``"cuda"`` when torch sees a CUDA device, else ``"cpu"`` (the default of every loader)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(device) -> "torch.dtype":  # noqa: F821  (torch is imported lazily)
+    """bfloat16 on CUDA, float32 elsewhere (fp16/bf16 matmuls on a CPU are slow or inexact)."""
+    import torch
+
+    return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+
+
+def looks_like_path(source) -> bool:
+    """True for a path-like model source ("./x", "/x", "~/x", "C:\\x"); "org/name" (dots allowed, e.g.
+    "Wan-AI/Wan2.1-T2V-1.3B") is a hub id. Loaders refuse a missing path-like source instead of asking the hub."""
+    from pathlib import Path
+
+    text = str(source)
+    return text.startswith((".", "/", "~", "\\")) or Path(text).expanduser().is_absolute()

@@ -26,6 +26,7 @@ class AttentionMetadata:
         positions: (T,) position of every new token.
         slot_mapping: (T,) cache slot each new token's KV is written to.
         query_lens, starts, context_lens: per sequence, Python ints.
+        query_offsets: flat index of each sequence's first new token, length num_seqs + 1 (Python ints).
         decode_rows: sequences with one new token, attended in one padded batch (the absorbed MLA path).
         decode_tokens: (num_decode,) flat token index of each decode row.
         decode_slots: (num_decode, max_context) cache slots of each decode row's context, 0 where padded.
@@ -39,6 +40,7 @@ class AttentionMetadata:
     query_lens: list[int]
     starts: list[int]
     context_lens: list[int]
+    query_offsets: list[int]
     decode_rows: list[int]
     decode_tokens: torch.Tensor
     decode_slots: torch.Tensor
@@ -49,14 +51,6 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.positions.numel())
-
-    @property
-    def query_offsets(self) -> list[int]:
-        """Flat index of each sequence's first new token (length num_seqs + 1)."""
-        offsets = [0]
-        for n in self.query_lens:
-            offsets.append(offsets[-1] + n)
-        return offsets
 
     @classmethod
     def build(cls, starts: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int,
@@ -95,7 +89,7 @@ class AttentionMetadata:
             pos = torch.arange(context_lens[i], device=device)
             prefill_slots.append(table[i, pos // block_size] * block_size + pos % block_size)
         return cls(positions=positions, slot_mapping=slot_mapping, query_lens=list(query_lens), starts=list(starts),
-                   context_lens=context_lens, decode_rows=decode_rows,
+                   context_lens=context_lens, query_offsets=offsets, decode_rows=decode_rows,
                    decode_tokens=torch.tensor([offsets[i] for i in decode_rows], dtype=torch.long, device=device),
                    decode_slots=decode_slots, decode_valid=decode_valid, prefill_rows=prefill_rows,
                    prefill_slots=prefill_slots)

@@ -23,6 +23,7 @@ from metainfer_gen.llm.model_runner import ModelRunner, kv_cache_bytes_per_block
 from metainfer_gen.llm.outputs import RequestOutput
 from metainfer_gen.llm.scheduler import Scheduler
 from metainfer_gen.llm.sequence import SamplingParams, Sequence
+from metainfer_gen.platform import default_device, default_dtype
 
 Prompt = str | SequenceABC[int]
 
@@ -76,7 +77,7 @@ class LLMEngine:
         model_config = load_config(path)
         tp, device = _tensor_parallel(config)
         device = torch.device(config.device) if config.device else device
-        dtype = getattr(torch, config.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+        dtype = getattr(torch, config.dtype) if config.dtype else default_dtype(device)
         max_len = config.max_model_len or model_config.max_position_embeddings
         if max_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
@@ -245,7 +246,7 @@ def _tensor_parallel(config: EngineConfig):
     from metainfer_gen.llm.parallel import TensorParallel
 
     if config.tensor_parallel_size == 1:
-        return TensorParallel.single(), torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return TensorParallel.single(), torch.device(default_device())
     from metainfer_gen import collectives
 
     state = collectives.init_distributed(tensor_parallel_size=config.tensor_parallel_size)

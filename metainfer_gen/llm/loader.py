@@ -25,9 +25,10 @@ def resolve_checkpoint(path_or_id: str | Path) -> Path:
     Raises:
         FileNotFoundError: a path-like string that does not exist, or a directory without config.json.
     """
+    from metainfer_gen.platform import looks_like_path
+
     path = Path(path_or_id).expanduser()
-    looks_like_path = path.is_absolute() or str(path_or_id).startswith((".", "~")) or path.exists()
-    if not looks_like_path and str(path_or_id).count("/") == 1:
+    if not path.exists() and not looks_like_path(path_or_id) and str(path_or_id).count("/") == 1:
         from huggingface_hub import snapshot_download
 
         path = Path(snapshot_download(str(path_or_id), allow_patterns=["*.json", "*.safetensors", "*.model",

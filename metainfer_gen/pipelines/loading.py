@@ -13,6 +13,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from metainfer_gen.platform import default_device, default_dtype, looks_like_path
+
 TEXT_TO_VIDEO = "text-to-video"
 IMAGE_TO_VIDEO = "image-to-video"
 DEFAULT_MODEL_DIR = "demo_wan"
@@ -109,18 +111,15 @@ def load_diffusers_pipeline(path: str | Path | None, task: str, torch_dtype=None
     import torch
     from diffusers import DiffusionPipeline
 
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if torch_dtype is None:
-        torch_dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    device = device or default_device()
+    torch_dtype = torch_dtype or default_dtype(device)
     source = default_model_path() if path is None else path
     local = Path(source).expanduser()
     if local.exists():
         if not (local / "model_index.json").exists():
             raise FileNotFoundError(f"{local} holds no model_index.json: it is not a diffusers pipeline folder")
         source = local
-    elif str(source).startswith((".", "/", "~", "\\")) or local.is_absolute():
-        # Only path-like strings are refused here; "org/name" (dots allowed, e.g. "Wan2.1-T2V-1.3B") is a hub id.
+    elif looks_like_path(source):
         raise FileNotFoundError(f"model path {source} does not exist")
     pipe = DiffusionPipeline.from_pretrained(str(source), dtype=torch_dtype, **kwargs)
     pipe = for_task(pipe, task)
