@@ -31,6 +31,7 @@ class VideoPipelineBase:
         self.rules = VideoRules.from_pipeline(pipe)
         self.last_audit = None  # kernels.Audit of the last call: which kernel paths ran, and why others were refused
         self.step_cache = None  # the enabled video.cache.CachePolicy, or None
+        self._loras = None  # video.lora.LoraSet, made on first use
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path=None, *, torch_dtype=None, device: str | None = None,
@@ -66,6 +67,7 @@ class VideoPipelineBase:
             pipe.set_progress_bar_config(**progress)
         new = cls(pipe, settings=other.settings, source=other.source)
         new.step_cache = other.step_cache  # same transformer objects: the hooks are already on them
+        new._loras = other._loras  # and the same adapters
         return new
 
     @property
@@ -132,6 +134,59 @@ class VideoPipelineBase:
         if self.step_cache is not None:
             self.step_cache.remove(self.diffusers_pipeline)
         self.step_cache = None
+
+    @property
+    def loras(self):
+        """The :class:`~metainfer_gen.video.lora.LoraSet` of this pipeline (adapters, weights, reports)."""
+        if self._loras is None:
+            from metainfer_gen.video.lora import LoraSet
+
+            self._loras = LoraSet(self.diffusers_pipeline)
+        return self._loras
+
+    def load_lora(self, path_or_state_dict, adapter_name: str | None = None, weight: float = 1.0):
+        """Load a LoRA (diffusers, peft, original-Wan, kohya or mixed keys) as an active adapter.
+
+        Keys that match nothing are skipped and listed in the returned report (also logged). Example::
+
+            report = pipe.load_lora("style.safetensors", adapter_name="style", weight=0.8)
+            print(report.summary())
+        Returns:
+            A :class:`~metainfer_gen.video.lora.LoraReport`.
+        Raises:
+            ValueError: NaN/Inf values, no key matching the model, a duplicate name, or fused adapters (the
+                model is left unchanged). FileNotFoundError: no such file.
+        """
+        return self.loras.load(path_or_state_dict, adapter_name=adapter_name, weight=weight)
+
+    def set_lora_weights(self, weights: dict[str, float]) -> None:
+        """``{adapter name: weight}`` for the next calls (no reload). Raises ValueError for unknown names."""
+        self.loras.set_weights(weights)
+
+    def disable_lora(self) -> None:
+        """Render with the base model; adapters stay loaded."""
+        self.loras.disable()
+
+    def enable_lora(self) -> None:
+        """Render with the adapters again after :meth:`disable_lora`."""
+        self.loras.enable()
+
+    def fuse_lora(self) -> None:
+        """Merge the active adapters into the weights (faster calls); :meth:`unfuse_lora` restores the base
+        exactly. Weights cannot change while fused."""
+        self.loras.fuse()
+
+    def unfuse_lora(self) -> None:
+        """Undo :meth:`fuse_lora`, bit for bit."""
+        self.loras.unfuse()
+
+    def unload_lora(self, adapter_name: str | None = None) -> None:
+        """Remove one adapter, or all of them when no name is given."""
+        self.loras.unload(adapter_name)
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        """Loaded adapters: name, weight, source, modules, skipped keys, enabled, fused."""
+        return [] if self._loras is None else self._loras.info()
 
     def set_progress_bar_config(self, **kwargs) -> None:
         """Forwarded to diffusers (e.g. ``disable=True`` to silence the per-step bar)."""

@@ -3,7 +3,7 @@
 * ``fbcache``: diffusers ``FirstBlockCacheConfig(threshold)`` (default 0.05, tuned upstream for trained models).
 * ``magcache``: diffusers ``MagCacheConfig``. Its ``mag_ratios`` are model-dependent: the first call with this
   policy runs MagCache's own ``calibrate=True`` mode (nothing skipped) and keeps the ratios it reports; later
-  calls use them (interpolated by MagCache to their step count).
+  calls use them (interpolated by MagCache to their step count) until the LoRA state changes, which recalibrates.
 * ``taylorseer``: diffusers ``TaylorSeerCacheConfig`` on every attention and feed-forward module of every block
   (its default identifiers match nothing on Wan, whose attention is ``attn1``/``attn2``).
 * ``dbcache``: cache-dit ``DBCacheConfig`` with ``Fn_compute_blocks=1, Bn_compute_blocks=0`` (its default of 8
@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from metainfer_gen.video.cache.blocks import find_blocks
-from metainfer_gen.video.cache.policies import CachePolicy, DiffusersCachePolicy
+from metainfer_gen.video.cache.policies import CachePolicy, DiffusersCachePolicy, denoisers
 
 
 def _fbcache(value: float | None) -> CachePolicy:
@@ -59,6 +59,7 @@ class MagCachePolicy(DiffusersCachePolicy):
         super().__init__(f"magcache={threshold:g}", self._config, per_steps=True)
         self.threshold = threshold
         self.mag_ratios: list[float] | None = None
+        self.calibrated_for: tuple | None = None  # lora_state of the denoisers when the ratios were measured
 
     def _config(self, model, steps: int | None):
         from diffusers.hooks import MagCacheConfig
@@ -70,6 +71,11 @@ class MagCachePolicy(DiffusersCachePolicy):
 
     @contextmanager
     def session(self, pipe, num_inference_steps: int) -> Iterator[dict[str, Any]]:
+        from metainfer_gen.video.lora import lora_state
+
+        adapters = tuple(lora_state(model) for _, model in denoisers(pipe))
+        if adapters != self.calibrated_for:  # the ratios describe one set of weights: a LoRA change recalibrates
+            self.mag_ratios, self.calibrated_for = None, adapters
         calibrating = self.mag_ratios is None
         if calibrating:
             self.applied_steps = None  # apply in calibration mode for this step count

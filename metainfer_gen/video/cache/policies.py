@@ -72,10 +72,13 @@ class StepCachePolicy(CachePolicy):
     def session(self, pipe, num_inference_steps: int) -> Iterator[dict[str, Any]]:
         from metainfer_gen.video.cache.apply import begin_step_cache_call, end_step_cache_call
 
+        from metainfer_gen.video.lora import lora_state
+
         scheduler = getattr(pipe, "scheduler", None)
-        plan = (num_inference_steps, type(scheduler).__name__, repr(sorted(dict(getattr(scheduler, "config", {})
-                                                                                 ).items())))
         models = [model for _, model in denoisers(pipe)]
+        # A new step count, scheduler or LoRA state (adapters, weights, fused) is a new plan: nothing carries over.
+        plan = (num_inference_steps, type(scheduler).__name__,
+                repr(sorted(dict(getattr(scheduler, "config", {})).items())), tuple(lora_state(m) for m in models))
         for model in models:
             begin_step_cache_call(model, num_inference_steps, plan)
         report: dict[str, Any] = {"policy": self.name}
