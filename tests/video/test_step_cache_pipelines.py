@@ -136,6 +136,39 @@ def test_from_pipe_shares_the_enabled_cache(fresh_t2v):
     assert ti2v.step_cache is fresh_t2v.step_cache and out.stats.cache["num_reused"] > 0
 
 
-@pytest.mark.skip(reason="LoRA loading (video/lora.py) is another issue and not built yet")
-def test_works_with_a_lora_loaded():
-    """Placeholder for issue 3's LoRA case: enable the cache with a LoRA loaded and compare against no cache."""
+def _load_lora(pipe, seed: int = 1, weight: float = 1.0):
+    from tests.video.lora_files import make_lora, state_dict
+
+    lora = make_lora(pipe.diffusers_pipeline.transformer, seed=seed)
+    return pipe.load_lora(state_dict(lora, "kohya"), adapter_name=f"lora{seed}", weight=weight)
+
+
+def test_works_with_a_lora_loaded_and_resets_when_the_adapters_change(fresh_t2v):
+    """Issue 3's LoRA case: the cache runs on a LoRA'd model, and a weight change or swap starts it afresh."""
+    _load_lora(fresh_t2v)
+    uncached = render(fresh_t2v)
+    fresh_t2v.enable_step_cache(PERMISSIVE)
+    first = render(fresh_t2v)
+    _assert_reused_and_counted(first, {"cond", "uncond"})
+    assert first.stats.cache["num_computed"] + first.stats.cache["num_reused"] == 2 * CALL["num_inference_steps"]
+    assert not np.array_equal(first.frames, uncached.frames)  # it did reuse (the clips differ)...
+    fresh_t2v.set_lora_weights({"lora1": 0.5})
+    _load_lora(fresh_t2v, seed=2, weight=0.8)
+    swapped = render(fresh_t2v)
+    root = fresh_t2v.diffusers_pipeline.transformer._diffusers_hook.get_hook("metainfer_step_cache_root")
+    assert root.plan_key[-1] == (((("lora1", 0.5), ("lora2", 0.8)), True, False),)  # the plan names the adapters
+    # ...and after the swap gives what a freshly enabled cache gives: no state of the first adapters survives.
+    fresh_t2v.disable_step_cache()
+    fresh_t2v.enable_step_cache(PERMISSIVE)
+    fresh = render(fresh_t2v)
+    np.testing.assert_array_equal(swapped.frames, fresh.frames)
+    assert swapped.stats.cache["steps"] == fresh.stats.cache["steps"]
+
+
+def test_magcache_recalibrates_after_a_lora_change(fresh_t2v):
+    fresh_t2v.enable_step_cache("magcache")
+    assert "calibration" in render(fresh_t2v).stats.cache
+    assert "calibration" not in render(fresh_t2v).stats.cache
+    _load_lora(fresh_t2v)
+    assert "calibration" in render(fresh_t2v).stats.cache  # ratios of the base model no longer apply
+    assert "calibration" not in render(fresh_t2v).stats.cache
