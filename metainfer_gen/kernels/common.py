@@ -28,6 +28,7 @@ __all__ = [
     "dtype_refusal",
     "first_refusal",
     "lazy_triton_kernel",
+    "pow2_at_least",
     "row_bytes_refusal",
     "triton_refusal",
 ]
@@ -46,6 +47,11 @@ COMPILED_MIN_NUMEL = 1 << 20
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def pow2_at_least(x: int, floor: int = 16) -> int:
+    """The smallest power of two >= max(x, floor): a Triton block size (``tl.dot`` needs dims >= 16)."""
+    return max(floor, 1 << max(x - 1, 0).bit_length())
 
 
 def first_refusal(*reasons: str | None) -> str | None:

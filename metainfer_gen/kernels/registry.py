@@ -46,6 +46,10 @@ BUILTIN_KERNEL_MODULES: list[str] = [
     "metainfer_gen.kernels.rotary",
     "metainfer_gen.kernels.adaln",
     "metainfer_gen.kernels.kv_cache",
+    "metainfer_gen.kernels.fp8_quant",
+    "metainfer_gen.kernels.fp8_gemm",
+    "metainfer_gen.kernels.indexer",
+    "metainfer_gen.kernels.sparse_attention",
 ]
 
 Example = Callable[[str, Any], tuple[tuple, dict]]

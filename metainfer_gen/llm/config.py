@@ -27,6 +27,10 @@ class EngineConfig:
         seed: seed of the sampler for requests without their own seed.
         tensor_parallel_size: ranks splitting the model (heads, intermediate columns, experts, vocabulary); above 1
             the engine runs under torchrun with this many processes, each calling the same engine methods.
+        quantization: None, or "fp8": linear weights in float8_e4m3fn with 128x128 block scales (a bf16/fp32
+            checkpoint is quantised on load; a DeepSeek FP8 checkpoint keeps its blocks), see ``llm/fp8.py``.
+        kv_cache_dtype: "auto" (the run dtype) or "fp8" (float8_e4m3fn latent cache, scale 1, half the bytes of
+            bf16; values are cast on store and read back in the run dtype).
     Raises:
         ValueError: a field out of range, with the fix in the message.
     """
@@ -43,6 +47,8 @@ class EngineConfig:
     device: str | None = None
     seed: int = 0
     tensor_parallel_size: int = 1
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
@@ -57,6 +63,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gib must be > 0; got {self.kv_cache_memory_gib!r}")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES} or None; got {self.dtype!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8'; got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8'; got {self.kv_cache_dtype!r}")
 
     def check_model_len(self, max_model_len: int) -> None:
         """Checks that need the resolved context length.

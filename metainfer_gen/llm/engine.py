@@ -52,13 +52,14 @@ class LLMEngine:
         self.tokenizer = tokenizer
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        self.cache_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         num_blocks = config.num_kv_blocks or self._blocks_for_memory()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    max_model_len=max_model_len, eos_token_ids=eos_token_ids)
-        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size, dtype=self.dtype,
+        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size, dtype=self.cache_dtype,
                                   device=self.device, seed=config.seed)
         self._requests: dict[str, Sequence] = {}
 
@@ -82,7 +83,8 @@ class LLMEngine:
         if max_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
                              f"{model_config.max_position_embeddings}")
-        model = load_model(path, model_config, dtype=dtype, device=device, max_positions=max_len, tp=tp)
+        model = load_model(path, model_config, dtype=dtype, device=device, max_positions=max_len, tp=tp,
+                           quantization=config.quantization)
         tokenizer = _load_tokenizer(path)
         eos = model_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -91,7 +93,7 @@ class LLMEngine:
         return cls(model, config, max_model_len=max_len, tokenizer=tokenizer, eos_token_ids=tuple(sorted(eos_ids)))
 
     def _blocks_for_memory(self) -> int:
-        per_block = kv_cache_bytes_per_block(self.model, self.config.block_size, self.dtype)
+        per_block = kv_cache_bytes_per_block(self.model, self.config.block_size, self.cache_dtype)
         by_memory = int(self.config.kv_cache_memory_gib * 2**30) // per_block
         useful = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
         return max(1, min(by_memory, useful))

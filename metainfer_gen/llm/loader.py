@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v3",)
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32")
+# Kept in float32 whatever the run dtype, as transformers keeps them.
+KEEP_FP32 = ("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -56,14 +58,15 @@ def load_config(path: Path):
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """FP8 weight (N, K) with one scale per 128x128 block, ``scale_inv`` (ceil(N/128), ceil(K/128)), -> dtype.
+    """FP8 weight (N, K) with one scale per 128x128 block, ``scale_inv`` (ceil(N/128), ceil(K/128)), -> dtype,
+    through :func:`metainfer_gen.kernels.fp8_weight_dequant` (partial last blocks keep their scale).
 
-    The last block in each dimension may be partial: scales are expanded and then cut to (N, K), never dropped
-    (DeepSeek-V3 ``inference/kernel.py`` ``weight_dequant``).
+    Raises:
+        ValueError: a scale grid that does not cover the weight's partial last blocks.
     """
-    n, k = weight.shape
-    scales = scale_inv.float().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
-    return (weight.float() * scales).to(dtype)
+    from metainfer_gen.kernels import fp8_weight_dequant
+
+    return fp8_weight_dequant(weight, scale_inv.float(), dtype, site="loader")
 
 
 def read_state_dict(path: Path, config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -100,11 +103,10 @@ def read_state_dict(path: Path, config, dtype: torch.dtype) -> dict[str, torch.T
         state[name] = tensor
     if "lm_head.weight" not in state and getattr(config, "tie_word_embeddings", False):
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    keep_fp32 = ("mlp.gate.weight", "e_score_correction_bias")
-    return {k: v.float() if k.endswith(keep_fp32) else v.to(dtype) for k, v in state.items()}
+    return {k: v.float() if k.endswith(KEEP_FP32) else v.to(dtype) for k, v in state.items()}
 
 
-def assign_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+def assign_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], quantize: str | None = None) -> None:
     """Assign checkpoint tensors to a (meta-device) model by name, through each parameter's ``weight_loader``.
 
     A parameter with a ``weight_loader`` (the tensor-parallel layers) receives ``weight_loader(full)``, its shard;
@@ -135,10 +137,27 @@ def assign_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> No
             tensor = tensor.clone()  # a shard: do not keep the full tensor alive through a view
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
-        if attr in module._parameters:
+        if quantize == "fp8" and attr == "weight" and getattr(module, "fp8_eligible", False):
+            from metainfer_gen.llm.fp8 import quantize_linear_fp8
+
+            quantize_linear_fp8(module, tensor)
+        elif attr in module._parameters:
             module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=current.requires_grad)
         else:
             module._buffers[attr] = tensor
+
+
+def _cast_dense(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast the float32 parameters and buffers left after fp8 quantisation to ``dtype`` (KEEP_FP32 excepted)."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.dtype != torch.float32 or name.endswith(KEEP_FP32) or name.endswith("weight_scale_inv"):
+            continue
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if attr in module._parameters:
+            module._parameters[attr] = torch.nn.Parameter(tensor.to(dtype), requires_grad=False)
+        elif attr not in module._non_persistent_buffers_set:
+            module._buffers[attr] = tensor.to(dtype)
 
 
 def _non_persistent(model: torch.nn.Module, name: str) -> set[str]:
@@ -158,19 +177,31 @@ def _held_elsewhere(model: torch.nn.Module, name: str) -> bool:
     return False
 
 
-def load_model(path: Path, config, *, dtype: torch.dtype, device: torch.device, max_positions: int, tp=None):
+def load_model(path: Path, config, *, dtype: torch.dtype, device: torch.device, max_positions: int, tp=None,
+               quantization: str | None = None):
     """Build the model without allocating random weights, then assign the checkpoint's (this rank's shards of
     them under tensor parallelism ``tp``, a :class:`~metainfer_gen.llm.parallel.TensorParallel`).
 
+    ``quantization="fp8"`` reads the checkpoint in float32 (an FP8 checkpoint dequantised exactly), quantises
+    each rank's shard of the eligible linear weights to fp8 with 128x128 block scales, and casts the rest to
+    ``dtype``.
+
     Raises:
         RuntimeError: missing, unexpected or wrongly shaped weights (names listed).
+        ValueError: an unknown quantization method.
     """
+    from metainfer_gen.llm.fp8 import QUANTIZATION_METHODS
+
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be None or one of {QUANTIZATION_METHODS}; got {quantization!r}")
     from metainfer_gen.llm.models.deepseek_v3 import DeepseekV3ForCausalLM, RotaryTables
 
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(config, max_positions, tp)
-    state = read_state_dict(path, config, dtype)
-    assign_weights(model, state)
+    state = read_state_dict(path, config, torch.float32 if quantization else dtype)
+    assign_weights(model, state, quantize=quantization)
+    if quantization:
+        _cast_dense(model, dtype)
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary = RotaryTables(config, max_positions)

@@ -7,6 +7,14 @@
   the sum to the caller, which lets a MoE layer fold routed and shared experts into one all-reduce). The bias is
   added once, after the sum.
 
+:class:`ReplicatedLinear` holds the whole weight on every rank (the MLA latent projections, the DSA indexer).
+
+FP8: :func:`metainfer_gen.llm.fp8.quantize_linear_fp8` turns ``weight`` into float8_e4m3fn with a
+``weight_scale_inv`` buffer of 128x128 block scales (per shard, so a shard whose size is not a multiple of 128
+gets its own partial last block); the layer then multiplies through :func:`metainfer_gen.kernels.fp8_linear`.
+Layers whose weight is read directly elsewhere set ``fp8_eligible = False`` (MLA's ``kv_b_proj``, used in the
+absorbed form) and stay in the run dtype.
+
 Each parameter carries ``weight_loader(full) -> shard``, which :func:`metainfer_gen.llm.loader.load_model` calls
 with the checkpoint's full tensor, so checkpoints stay in their one-process layout. With ``TensorParallel.single()``
 both classes compute exactly what ``nn.Linear`` computes.
@@ -20,10 +28,14 @@ from torch import nn
 
 from metainfer_gen.llm.parallel import TensorParallel
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "LinearBase", "ReplicatedLinear", "RowParallelLinear"]
 
 
-class _ParallelLinear(nn.Module):
+class LinearBase(nn.Module):
+    """Weight (out, in) with a per-parameter ``weight_loader``; dense or fp8 block-scaled multiply."""
+
+    fp8_eligible = True
+
     def __init__(self, weight_shape: tuple[int, int], bias_size: int | None, tp: TensorParallel):
         super().__init__()
         self.tp = tp
@@ -41,8 +53,31 @@ class _ParallelLinear(nn.Module):
     def _load_bias(self, full: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight.dtype == torch.float8_e4m3fn:
+            from metainfer_gen.kernels import fp8_linear
 
-class ColumnParallelLinear(_ParallelLinear):
+            return fp8_linear(x, self.weight, self.weight_scale_inv, bias)
+        return F.linear(x, self.weight, bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """``y = x @ W.T (+ b)`` with the whole weight on every rank (vLLM ``ReplicatedLinear``)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        self.in_features, self.out_features = in_features, out_features
+        super().__init__((out_features, in_features), out_features if bias else None, TensorParallel.single())
+
+    def _load_weight(self, full: torch.Tensor) -> torch.Tensor:
+        return full
+
+    _load_bias = _load_weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(x, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
     """``y[:, shard] = x @ W[shard].T (+ b[shard])``: x (T, in) replicated -> (T, out / size).
 
     Raises:
@@ -62,10 +97,10 @@ class ColumnParallelLinear(_ParallelLinear):
     _load_bias = _load_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
 
 
-class RowParallelLinear(_ParallelLinear):
+class RowParallelLinear(LinearBase):
     """``y = sum over ranks of x[:, shard] @ W[:, shard].T (+ b)``: x (T, in / size) -> (T, out) on every rank.
 
     Args:
@@ -90,8 +125,8 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
+            return self._linear(x, self.bias)
+        y = self._linear(x, None)
         if not self.reduce:
             return y
         y = self.tp.all_reduce(y)

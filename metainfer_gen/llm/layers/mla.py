@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from metainfer_gen import kernels
+from metainfer_gen.kernels.sparse_attention import gather_rows
 from metainfer_gen.llm.attention_metadata import AttentionMetadata
-from metainfer_gen.llm.layers.linear import ColumnParallelLinear, RowParallelLinear
+from metainfer_gen.llm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from metainfer_gen.llm.layers.norm import RMSNorm
 from metainfer_gen.llm.parallel import TensorParallel
 
@@ -55,14 +56,15 @@ class MLAttention(nn.Module):
         if self.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(hidden, config.num_attention_heads * self.qk_head_dim, tp=tp)
         else:
-            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank)  # eps 1e-6 as in transformers, not rms_norm_eps
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, config.num_attention_heads * self.qk_head_dim,
                                                  tp=tp)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
         self.kv_b_proj = ColumnParallelLinear(
             self.kv_lora_rank, config.num_attention_heads * (self.qk_nope_head_dim + self.v_head_dim), tp=tp)
+        self.kv_b_proj.fp8_eligible = False  # read as W_UK / W_UV by the absorbed path
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.v_head_dim, hidden, bias=bias, tp=tp)
 
     @property
@@ -70,12 +72,24 @@ class MLAttention(nn.Module):
         """Values per token in this layer's cache (576 for DeepSeek-V3)."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    @property
+    def latent_size(self) -> int:
+        """Leading values of a cache row that attention reads: kv_lora_rank + qk_rope_head_dim."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """x (T, hidden); cos/sin (T, dr/2) float32 tables at each token's position; kv_cache
         (num_blocks, block_size, 1, r + dr). Writes the new tokens' latents, returns (T, hidden)."""
+        q_nope, q_pe, latent, _ = self._project(x, cos, sin)
+        self._store(latent, kv_cache, meta)
+        return self.o_proj(self._attend_dense(q_nope, q_pe, kv_cache.view(-1, self.cache_row_size), meta))
+
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(q_nope (T, N, dn), rotated q_pe (T, N, dr), latent row (T, 1, r + dr), q LoRA residual or None)."""
         num_tokens = x.shape[0]
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_resid = None if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_proj(x) if q_resid is None else self.q_b_proj(q_resid)
         q = q.view(num_tokens, self.num_heads, self.qk_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
@@ -84,23 +98,30 @@ class MLAttention(nn.Module):
         q_pe = kernels.rope(q_pe.contiguous(), cos, sin, interleaved=self.rope_interleave, site=site)
         k_pe = kernels.rope(k_pe.reshape(num_tokens, 1, -1).contiguous(), cos, sin,
                             interleaved=self.rope_interleave, site=site)
-        latent = torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1)  # (T, 1, r + dr)
-        kernels.store_kv_cache(latent.to(kv_cache.dtype), None, kv_cache, None, meta.slot_mapping, site=site)
+        return q_nope, q_pe, torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1), q_resid
 
-        out = x.new_empty(num_tokens, self.num_heads, self.v_head_dim)
-        cache_rows = kv_cache.view(-1, self.cache_row_size)
+    def _store(self, row: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        kernels.store_kv_cache(row.to(kv_cache.dtype), None, kv_cache, None, meta.slot_mapping,
+                               site=f"layers.{self.layer_idx}.self_attn")
+
+    def _attend_dense(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache_rows: torch.Tensor,
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """Every query over its whole causal context: absorbed for decode rows, expanded for prefill rows;
+        cache_rows (num_slots, row) -> (T, N * dv)."""
+        out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_head_dim)
         if meta.decode_rows:
             tokens = meta.decode_tokens
             out[tokens] = self._absorbed(q_nope[tokens], q_pe[tokens], cache_rows, meta)
         offsets = meta.query_offsets
         for row, slots in zip(meta.prefill_rows, meta.prefill_slots):
             lo, hi = offsets[row], offsets[row + 1]
-            out[lo:hi] = self._expanded(q_nope[lo:hi], q_pe[lo:hi], cache_rows[slots], meta.starts[row])
-        return self.o_proj(out.flatten(1))
+            out[lo:hi] = self._expanded(q_nope[lo:hi], q_pe[lo:hi], gather_rows(cache_rows, slots), meta.starts[row])
+        return out.flatten(1)
 
     def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, context: torch.Tensor, start: int) -> torch.Tensor:
         """Causal attention of n queries at positions start.. over L = start + n context rows (L, r + dr)."""
-        c_kv, k_pe = context.to(q_nope.dtype).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = context[:, : self.latent_size].to(q_nope.dtype).split(
+            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj(c_kv).view(-1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # (L, N, dn), (L, N, dv)
         scores = torch.einsum("qnd,knd->nqk", q_nope, k_nope) + torch.einsum("qnd,kd->nqk", q_pe, k_pe)
@@ -114,15 +135,24 @@ class MLAttention(nn.Module):
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache_rows: torch.Tensor,
                   meta: AttentionMetadata) -> torch.Tensor:
         """One query per row (B rows) over each row's padded context; returns (B, N, dv)."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
-        w_uk, w_uv = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)  # (N, dn, r), (N, dv, r)
-        q_latent = torch.einsum("bnd,ndr->bnr", q_nope, w_uk)
-        # The cache row is [c_kv, k_pe], so [q_latent, q_pe] scores both parts in one batched matmul.
-        query = torch.cat([q_latent, q_pe], dim=-1)  # (B, N, r + dr)
+        query = self._absorb_query(q_nope, q_pe)  # (B, N, r + dr)
         slots = meta.decode_slots
-        context = cache_rows.index_select(0, slots.flatten()).view(*slots.shape, -1).to(q_nope.dtype)  # (B, L, r+dr)
+        context = gather_rows(cache_rows, slots)[..., : self.latent_size].to(q_nope.dtype)  # (B, L, r + dr)
         scores = torch.matmul(query, context.transpose(1, 2))  # (B, N, L)
         scores = (scores.float() * self.softmax_scale).masked_fill(~meta.decode_valid[:, None, :], float("-inf"))
         probs = scores.softmax(-1).to(context.dtype)
-        out_latent = torch.matmul(probs, context[..., : self.kv_lora_rank])  # (B, N, r)
-        return torch.einsum("bnr,nvr->bnv", out_latent, w_uv)
+        return self._unabsorb(torch.matmul(probs, context[..., : self.kv_lora_rank]))  # from (B, N, r)
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)  # (N, dn, r), (N, dv, r)
+
+    def _absorb_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """(B, N, dn), (B, N, dr) -> (B, N, r + dr): ``[q_nope @ W_UK, q_pe]`` scores a cache row
+        ``[c_kv, k_pe]`` in one matmul."""
+        q_latent = torch.einsum("bnd,ndr->bnr", q_nope, self._w_uk_uv()[0])
+        return torch.cat([q_latent, q_pe], dim=-1)
+
+    def _unabsorb(self, out_latent: torch.Tensor) -> torch.Tensor:
+        """(B, N, r) attention output over latents -> (B, N, dv) through W_UV."""
+        return torch.einsum("bnr,nvr->bnv", out_latent, self._w_uk_uv()[1])

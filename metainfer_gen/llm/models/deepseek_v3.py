@@ -1,4 +1,7 @@
-"""DeepSeek-V3 for the engine: flat token batches, paged MLA latent cache, MoE after the first dense layers.
+"""DeepSeek-V3 and V3.2 for the engine: flat token batches, paged MLA latent cache, MoE after the first dense layers.
+
+DeepSeek-V3.2 (``model_type`` ``deepseek_v32``) is the same network with sparse attention (an indexer per layer,
+:class:`~metainfer_gen.llm.layers.sparse_mla.SparseMLAttention`); the attention class is looked up by model type.
 
 Architecture and parameter names follow Hugging Face transformers ``modeling_deepseek_v3.py`` (the correctness
 reference), so a checkpoint's safetensors load by name; the differences are the engine's: inputs are the
@@ -17,7 +20,10 @@ from metainfer_gen.llm.layers.embedding import ParallelLMHead, VocabParallelEmbe
 from metainfer_gen.llm.layers.mla import MLAttention
 from metainfer_gen.llm.layers.moe import MLP, MoE
 from metainfer_gen.llm.layers.norm import RMSNorm
+from metainfer_gen.llm.layers.sparse_mla import SparseMLAttention
 from metainfer_gen.llm.parallel import TensorParallel
+
+ATTENTION_BY_MODEL_TYPE = {"deepseek_v3": MLAttention, "deepseek_v32": SparseMLAttention}
 
 
 def softmax_scale(config) -> float:
@@ -50,8 +56,10 @@ class RotaryTables(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, scale: float, tp: TensorParallel):
         super().__init__()
-        self.self_attn = MLAttention(config, layer_idx, scale, tp)
-        dense = layer_idx < config.first_k_dense_replace or not config.n_routed_experts
+        self.self_attn = ATTENTION_BY_MODEL_TYPE[config.model_type](config, layer_idx, scale, tp)
+        types = getattr(config, "mlp_layer_types", None)  # V3.2 names each layer's MLP; V3 counts dense ones
+        dense = (types[layer_idx] == "dense" if types else layer_idx < config.first_k_dense_replace) \
+            or not config.n_routed_experts
         self.mlp = MLP(config.hidden_size, config.intermediate_size, tp) if dense else MoE(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -84,7 +92,8 @@ class DeepseekV3ForCausalLM(nn.Module):
     """The engine's DeepSeek-V3.
 
     Args:
-        config: a transformers ``DeepseekV3Config`` (``model_type`` ``deepseek_v3``).
+        config: a transformers ``DeepseekV3Config`` or ``DeepseekV32Config`` (``model_type`` ``deepseek_v3`` or
+            ``deepseek_v32``).
         max_positions: size of the rotary tables (the engine's ``max_model_len``).
         tp: tensor-parallel placement (None: one process). Every rank runs the same forward on the same tokens;
             each holds its heads, intermediate columns, experts and vocabulary rows, and the logits come out whole
@@ -105,8 +114,8 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     @property
     def cache_row_size(self) -> int:
-        """Latent-cache values per token per layer: kv_lora_rank + qk_rope_head_dim."""
-        return self.config.kv_lora_rank + self.config.qk_rope_head_dim
+        """Cache values per token per layer: kv_lora_rank + qk_rope_head_dim (+ index_head_dim for V3.2)."""
+        return self.model.layers[0].self_attn.cache_row_size
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:

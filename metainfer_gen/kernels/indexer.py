@@ -1,0 +1,157 @@
+"""DeepSeek Sparse Attention's lightning indexer: per-query scores over earlier keys, then the top-k per query.
+
+For query token ``t`` and key ``s`` (DeepSeek-V3.2 paper, eq. 1; transformers ``DeepseekV32Indexer``)::
+
+    I[t, s] = sum_h w[t, h] * relu(scale * q[t, h] . k[s])
+
+where ``w`` already carries the ``n_heads ** -0.5`` factor. Keys past a query's visible length (the causal
+limit) score ``-inf``. The top ``min(topk, L)`` keys are kept per query; when a query sees fewer keys than that,
+the surplus entries are returned as ``-1`` (padding, never attended), so top-k >= length gives exactly dense
+attention and short sequences never index out of range (the crash public indexers had below top-k).
+
+The Triton kernel computes the scores (one program per query and block of keys, heads reduced in registers);
+``torch.topk`` then selects on both paths, so the two differ only in the scores' float32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metainfer_gen.kernels.common import (contiguous_refusal, first_refusal, lazy_triton_kernel, pow2_at_least,
+                                          triton_refusal)
+from metainfer_gen.kernels.registry import Op, register_op
+
+__all__ = ["indexer_scores_reference", "indexer_topk", "indexer_topk_reference", "select_topk"]
+
+
+def indexer_scores_reference(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """(B, n, H, D), (B, n, H), (B, L, D), (B, n) -> (B, n, L) float32 scores, ``-inf`` past each length.
+
+    Operation order follows transformers (matmul, scale, relu, then the head-weighted sum) so the float32 values
+    equal the reference model's and its top-k picks the same keys."""
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1)) * scale  # (B, n, H, L)
+    scores = torch.relu(scores)
+    index = torch.matmul(weights.float().unsqueeze(-2), scores).squeeze(-2)  # (B, n, L)
+    visible = torch.arange(keys.shape[1], device=keys.device) < lengths.unsqueeze(-1)
+    return index.masked_fill(~visible, float("-inf"))
+
+
+def select_topk(scores: torch.Tensor, lengths: torch.Tensor, topk: int) -> torch.Tensor:
+    """(B, n, L) scores -> (B, n, min(topk, L)) int64 key indices, ``-1`` where a query sees fewer keys."""
+    k = min(topk, scores.shape[-1])
+    idx = scores.topk(k, dim=-1).indices
+    return torch.where(idx < lengths.unsqueeze(-1), idx, torch.full_like(idx, -1))
+
+
+def indexer_topk_reference(q, weights, keys, lengths, topk: int, scale: float) -> torch.Tensor:
+    return select_topk(indexer_scores_reference(q, weights, keys, lengths, scale), lengths, topk)
+
+
+# Bound on the first kernel build (triton is imported lazily); kernels look names up in module globals.
+tl = triton = None
+
+
+@lazy_triton_kernel
+def _kernel():
+    global tl, triton  # kernels resolve names through module globals (closures are not seen)
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def indexer_scores_kernel(
+        q_ptr,  # (B, n, H, D) contiguous queries
+        w_ptr,  # (B, n, H) contiguous head weights
+        k_ptr,  # (B, L, D) keys, rows with unit stride, batch stride stride_kb, row stride stride_kl
+        len_ptr,  # (B, n) int64 visible keys per query
+        out_ptr,  # (B, n, L) float32 scores
+        n,
+        H,
+        D,
+        L,
+        stride_kb,
+        stride_kl,
+        scale,
+        BLOCK_H: tl.constexpr,  # >= H and >= 16 (tl.dot)
+        BLOCK_D: tl.constexpr,  # >= D and >= 16
+        BLOCK_L: tl.constexpr,  # keys per program
+    ):
+        query = tl.program_id(0).to(tl.int64)  # flat (b, i)
+        b = query // n
+        keys = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        q = tl.load(q_ptr + query * H * D + h[:, None] * D + d[None, :], mask=(h[:, None] < H) & (d[None, :] < D),
+                    other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + b * stride_kb + keys[:, None].to(tl.int64) * stride_kl + d[None, :],
+                    mask=(keys[:, None] < L) & (d[None, :] < D), other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + query * H + h, mask=h < H, other=0.0).to(tl.float32)
+        s = tl.maximum(tl.dot(q, tl.trans(k)) * scale, 0.0)  # (BLOCK_H, BLOCK_L)
+        index = tl.sum(s * w[:, None], 0)
+        length = tl.load(len_ptr + query)
+        index = tl.where(keys < length, index, float("-inf"))
+        tl.store(out_ptr + query * L + keys, index, mask=keys < L)
+
+    return indexer_scores_kernel
+
+
+def indexer_topk_triton(q, weights, keys, lengths, topk: int, scale: float) -> torch.Tensor:
+    batch, n, heads, dim = q.shape
+    length = keys.shape[1]
+    scores = torch.empty(batch, n, length, device=q.device, dtype=torch.float32)
+    if batch * n and length:
+        block_l = 32
+        _kernel()[(batch * n, -(-length // block_l))](
+            q, weights, keys, lengths, scores, n, heads, dim, length, keys.stride(0), keys.stride(1), float(scale),
+            BLOCK_H=pow2_at_least(heads), BLOCK_D=pow2_at_least(dim), BLOCK_L=block_l, num_warps=4)
+    return select_topk(scores, lengths, topk)
+
+
+def _triton_supports(q, weights, keys, lengths, topk, scale) -> str | None:
+    return first_refusal(
+        triton_refusal(q, weights, keys, lengths),
+        contiguous_refusal("q", q), contiguous_refusal("weights", weights), contiguous_refusal("lengths", lengths),
+        None if keys.stride(-1) == 1 else f"key rows are strided (stride {tuple(keys.stride())})",
+        None if q.shape[2] * q.shape[3] * 4 <= 65536 else "q row over 64 KB: one program holds all heads",
+    )
+
+
+def _example(device: str, dtype: torch.dtype):
+    n, length = 256, 8192  # one 256-token prefill chunk at 8K context, V3.2 indexer shapes
+    q = torch.randn(1, n, 64, 128, device=device, dtype=dtype)
+    keys = torch.randn(1, length, 128, device=device, dtype=dtype)
+    lengths = torch.arange(length - n + 1, length + 1, device=device)[None]
+    return (q, torch.randn(1, n, 64, device=device), keys, lengths, 2048, 128 ** -0.5), {}
+
+
+INDEXER_TOPK = register_op(Op("indexer_topk", "DSA lightning-indexer scores and per-query top-k", _example))
+INDEXER_TOPK.register("triton", indexer_topk_triton, _triton_supports,
+                      description="scores per (query, 32 keys) with all heads in one tl.dot; torch.topk")
+INDEXER_TOPK.register("torch", indexer_topk_reference, description="matmul, relu, head-weighted sum, torch.topk")
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor, topk: int,
+                 scale: float, *, site: str | None = None, strict: bool | None = None) -> torch.Tensor:
+    """Top-k keys per query by the lightning indexer's score.
+
+    Args:
+        q: (B, n, H, D) indexer queries (rotated). weights: (B, n, H) per-head weights (times ``H ** -0.5``).
+        keys: (B, L, D) indexer keys of each batch row's context (a padded gather for decode batches).
+        lengths: (B, n) int64, keys visible to each query (``position + 1``); keys at index >= length are ignored.
+        topk: keys kept per query (``index_topk``); clamped to L.
+        scale: ``index_head_dim ** -0.5``.
+        site, strict: see :mod:`metainfer_gen.kernels.registry`.
+    Returns:
+        (B, n, min(topk, L)) int64 indices into each row's keys, best first, ``-1`` for padding.
+    Raises:
+        ValueError: inconsistent shapes, or topk < 1.
+    Tolerance: the paths pick the same keys unless two scores tie within float32 rounding (about 1e-6 relative).
+    """
+    if q.ndim != 4 or weights.shape != q.shape[:3] or keys.ndim != 3 or keys.shape[0] != q.shape[0] \
+            or keys.shape[2] != q.shape[3] or lengths.shape != q.shape[:2]:
+        raise ValueError(f"indexer shapes must be q (B, n, H, D), weights (B, n, H), keys (B, L, D), lengths (B, n); "
+                         f"got {tuple(q.shape)}, {tuple(weights.shape)}, {tuple(keys.shape)}, {tuple(lengths.shape)}")
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"topk must be an int >= 1; got {topk!r}")
+    return INDEXER_TOPK.dispatch(q, weights, keys, lengths.long(), topk, scale, site=site, strict=strict,
+                                 stacklevel=2)

@@ -1,0 +1,169 @@
+"""Sparse MLA: each query attends only to the latent-cache rows the indexer selected for it.
+
+MLA in its absorbed form (DeepSeek-V2 paper, eq. 9-11): a query is ``[q_nope @ W_UK, q_pe]`` (N heads, r + dr
+wide) and scores directly against cache rows ``[c_kv, k_pe]``; the value is the latent ``c_kv`` itself (W_UV is
+applied by the caller). DeepSeek-V3.2 runs prefill and decode in this form over the top-k rows (FlashMLA's sparse
+kernels; vLLM ``FlashMLASparseBackend``), so the cost per query grows with top-k, not with the context.
+
+Indices are flat cache slots (``block * page_size + offset``), ``-1`` for padding. Public sparse kernels also
+require a 64-token page; this kernel gathers row by row through the slot, so the engine converts the indexer's
+token positions to slots for any page size (the realignment the audit reports).
+
+The Triton kernel is one program per (query token, 16 heads), an online softmax over blocks of selected rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metainfer_gen import platform
+from metainfer_gen.kernels.common import (contiguous_refusal, dtype_refusal, first_refusal, lazy_triton_kernel,
+                                          pow2_at_least, triton_refusal)
+from metainfer_gen.kernels.fp8_quant import FP8_DTYPE, fp8_arithmetic_refusal
+from metainfer_gen.kernels.registry import Op, register_op
+
+__all__ = ["gather_rows", "sparse_mla", "sparse_mla_reference"]
+
+
+def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """rows (S, W) of any dtype (fp8 included, which has no CPU index kernel) at int64 ``index`` (any shape)."""
+    if rows.dtype == FP8_DTYPE:
+        return rows.view(torch.uint8)[index].view(FP8_DTYPE)
+    return rows[index]
+
+
+def sparse_mla_reference(q: torch.Tensor, kv_rows: torch.Tensor, indices: torch.Tensor, value_dim: int,
+                         scale: float) -> torch.Tensor:
+    """q (T, N, Dk), kv_rows (S, >= Dk), indices (T, K) -> (T, N, value_dim) in q.dtype."""
+    dk = q.shape[-1]
+    context = gather_rows(kv_rows, indices.clamp_min(0))[..., :dk].to(q.dtype)  # (T, K, Dk)
+    scores = torch.matmul(q, context.transpose(1, 2))  # (T, N, K)
+    scores = (scores.float() * scale).masked_fill((indices < 0)[:, None, :], float("-inf"))
+    probs = scores.softmax(-1).to(context.dtype)
+    return torch.matmul(probs, context[..., :value_dim])
+
+
+# Bound on the first kernel build (triton is imported lazily); kernels look names up in module globals.
+tl = triton = None
+
+
+@lazy_triton_kernel
+def _kernel():
+    global tl, triton  # kernels resolve names through module globals (closures are not seen)
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def sparse_mla_kernel(
+        q_ptr,  # (T, N, R + P) contiguous absorbed queries
+        kv_ptr,  # (S, row) cache rows, unit stride within a row, row stride stride_kv
+        idx_ptr,  # (T, K) int64 slots, -1 = padding
+        out_ptr,  # (T, N, R) contiguous output, q dtype
+        N,
+        K,
+        R,  # value / latent width (kv_lora_rank)
+        P,  # rope width (qk_rope_head_dim)
+        stride_kv,
+        scale,
+        UPCAST: tl.constexpr,  # dot in float32 (interpreter, fp32 and fp8 inputs); else the q dtype
+        BLOCK_H: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        r = tl.arange(0, BLOCK_R)
+        p = tl.arange(0, BLOCK_P)
+        dot_dtype = tl.float32 if UPCAST else q_ptr.dtype.element_ty
+        q_base = q_ptr + t * N * (R + P) + h[:, None] * (R + P)
+        q_lat = tl.load(q_base + r[None, :], mask=(h[:, None] < N) & (r[None, :] < R), other=0.0).to(dot_dtype)
+        q_pe = tl.load(q_base + R + p[None, :], mask=(h[:, None] < N) & (p[None, :] < P), other=0.0).to(dot_dtype)
+        m = tl.full((BLOCK_H,), -1.0e30, tl.float32)  # finite: an all-padding block must not give inf - inf
+        denom = tl.zeros((BLOCK_H,), tl.float32)
+        acc = tl.zeros((BLOCK_H, BLOCK_R), tl.float32)
+        for start in range(0, K, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            slot = tl.load(idx_ptr + t * K + j, mask=j < K, other=-1)
+            valid = slot >= 0
+            row = kv_ptr + tl.maximum(slot, 0)[:, None] * stride_kv
+            c = tl.load(row + r[None, :], mask=valid[:, None] & (r[None, :] < R), other=0.0).to(dot_dtype)
+            pe = tl.load(row + R + p[None, :], mask=valid[:, None] & (p[None, :] < P), other=0.0).to(dot_dtype)
+            s = (tl.dot(q_lat, tl.trans(c)) + tl.dot(q_pe, tl.trans(pe))) * scale  # (BLOCK_H, BLOCK_N) fp32
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            weights = tl.exp(s - m_new[:, None])
+            denom = denom * alpha + tl.sum(weights, 1)
+            acc = acc * alpha[:, None] + tl.dot(weights.to(dot_dtype), c)
+            m = m_new
+        out = acc / denom[:, None]
+        tl.store(out_ptr + t * N * R + h[:, None] * R + r[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=(h[:, None] < N) & (r[None, :] < R))
+
+    return sparse_mla_kernel
+
+
+def sparse_mla_triton(q: torch.Tensor, kv_rows: torch.Tensor, indices: torch.Tensor, value_dim: int,
+                      scale: float) -> torch.Tensor:
+    tokens, heads, dk = q.shape
+    out = torch.empty(tokens, heads, value_dim, device=q.device, dtype=q.dtype)
+    if tokens and indices.shape[1]:
+        block_h = 16
+        upcast = platform.triton_interpret_requested() or q.dtype == torch.float32 or kv_rows.dtype == FP8_DTYPE
+        _kernel()[(tokens, -(-heads // block_h))](
+            q, kv_rows, indices, out, heads, indices.shape[1], value_dim, dk - value_dim, kv_rows.stride(0),
+            float(scale), UPCAST=upcast, BLOCK_H=block_h, BLOCK_R=pow2_at_least(value_dim),
+            BLOCK_P=pow2_at_least(dk - value_dim), BLOCK_N=32, num_warps=4)
+    return out
+
+
+def _triton_supports(q, kv_rows, indices, value_dim, scale) -> str | None:
+    return first_refusal(
+        triton_refusal(q, kv_rows, indices),
+        dtype_refusal("q", q),
+        contiguous_refusal("q", q), contiguous_refusal("indices", indices),
+        None if kv_rows.stride(-1) == 1 else f"cache rows are strided (stride {tuple(kv_rows.stride())})",
+        None if value_dim <= 1024 else f"kv_lora_rank {value_dim} over 1024: the accumulator would spill",
+        fp8_arithmetic_refusal(kv_rows) if kv_rows.dtype == FP8_DTYPE else None,
+    )
+
+
+def _example(device: str, dtype: torch.dtype):
+    tokens, heads, slots = 256, 16, 32768  # a prefill chunk, 16 heads per rank, 32K cached tokens, top-k 2048
+    q = torch.randn(tokens, heads, 576, device=device, dtype=dtype)
+    rows = torch.randn(slots, 576, device=device, dtype=dtype)
+    indices = torch.randint(0, slots, (tokens, 2048), device=device)
+    return (q, rows, indices, 512, 192 ** -0.5), {}
+
+
+SPARSE_MLA = register_op(Op("sparse_mla", "absorbed MLA over indexer-selected latent rows (prefill and decode)",
+                            _example))
+SPARSE_MLA.register("triton", sparse_mla_triton, _triton_supports,
+                    description="one program per (token, 16 heads), online softmax over 32-row blocks")
+SPARSE_MLA.register("torch", sparse_mla_reference, description="gather the selected rows, masked softmax")
+
+
+def sparse_mla(q: torch.Tensor, kv_rows: torch.Tensor, indices: torch.Tensor, value_dim: int, scale: float, *,
+               site: str | None = None, strict: bool | None = None) -> torch.Tensor:
+    """Attention of each query over its selected latent-cache rows.
+
+    Args:
+        q: (T, N, r + dr) absorbed queries ``[q_nope @ W_UK, q_pe]``, float32/bfloat16/float16.
+        kv_rows: (num_slots, row >= r + dr) cache rows ``[c_kv, k_pe, ...]`` (a flat view of the paged cache; extra
+            columns such as the indexer key are ignored), any float dtype or float8_e4m3fn.
+        indices: (T, K) int64 slots per query, ``-1`` for padding; every query needs at least one real slot.
+        value_dim: r, the latent width (the value is ``c_kv``).
+        scale: softmax scale.
+        site, strict: see :mod:`metainfer_gen.kernels.registry`.
+    Returns:
+        (T, N, r) in q.dtype: ``softmax(q . rows) @ c_kv`` over the selected rows.
+    Raises:
+        ValueError: inconsistent shapes.
+    Tolerance against :func:`sparse_mla_reference`: atol=rtol=1e-5 (float32).
+    """
+    if q.ndim != 3 or kv_rows.ndim != 2 or kv_rows.shape[1] < q.shape[2] or indices.ndim != 2 \
+            or indices.shape[0] != q.shape[0] or not 0 < value_dim < q.shape[2]:
+        raise ValueError(f"sparse_mla needs q (T, N, Dk), kv_rows (S, >= Dk), indices (T, K), 0 < value_dim < Dk; "
+                         f"got {tuple(q.shape)}, {tuple(kv_rows.shape)}, {tuple(indices.shape)}, {value_dim}")
+    return SPARSE_MLA.dispatch(q, kv_rows, indices.long(), value_dim, scale, site=site, strict=strict, stacklevel=2)

@@ -1,0 +1,92 @@
+"""DeepSeek-V3.2 attention: MLA whose queries attend only to the tokens the lightning indexer selects (DSA).
+
+Per token the layer's cache row is ``[c_kv (r), k_pe (dr), indexer key (D)]``: the indexer key cache lives beside
+the latent, in the same pages. A step stores the new tokens' rows, then for every query (prefill and decode
+alike, as FlashMLA's sparse kernels do) the indexer scores its visible context, keeps the top ``index_topk``
+positions, the engine maps them to cache slots through the sequence's pages, and
+:func:`metainfer_gen.kernels.sparse_mla` attends in the absorbed form over those rows only. When a query sees at
+most ``index_topk`` tokens it selects all of them and the result is dense attention.
+
+Sources: DeepSeek-V3.2-Exp paper (DSA, section 2.1) and ``inference/model.py``; transformers
+``DeepseekV32Attention`` (the correctness reference); vLLM ``FlashMLASparseBackend`` for the paged form.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metainfer_gen import kernels
+from metainfer_gen.kernels.audit_log import Refusal, record
+from metainfer_gen.kernels.sparse_attention import gather_rows
+from metainfer_gen.llm.attention_metadata import AttentionMetadata
+from metainfer_gen.llm.layers.indexer import Indexer
+from metainfer_gen.llm.layers.mla import MLAttention
+from metainfer_gen.llm.parallel import TensorParallel
+
+# Page size of the public sparse-MLA kernels (FlashMLA sparse in vLLM/SGLang); ours gathers through flat slots.
+SPARSE_KERNEL_PAGE = 64
+
+
+class SparseMLAttention(MLAttention):
+    """MLA + indexer; ``config`` is a transformers ``DeepseekV32Config``.
+
+    Attributes:
+        sparse: False attends densely over the same cache (the comparison the tests make); True by default.
+    Raises:
+        ValueError: no q LoRA (the indexer reads its residual), or heads not divisible by the TP size.
+    """
+
+    def __init__(self, config, layer_idx: int, softmax_scale: float, tp: TensorParallel | None = None):
+        if config.q_lora_rank is None:
+            raise ValueError("DeepSeek-V3.2's indexer reads the q LoRA residual: q_lora_rank must be set")
+        super().__init__(config, layer_idx, softmax_scale, tp)
+        self.indexer = Indexer(config, layer_idx)
+        self.sparse = True
+
+    @property
+    def cache_row_size(self) -> int:
+        """Values per token in this layer's cache: kv_lora_rank + qk_rope_head_dim + index_head_dim."""
+        return self.latent_size + self.indexer.head_dim
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """x (T, hidden), cos/sin (T, dr/2), kv_cache (num_blocks, block_size, 1, r + dr + D) -> (T, hidden)."""
+        q_nope, q_pe, latent, q_resid = self._project(x, cos, sin)
+        index_keys = self.indexer.keys(x, cos, sin)  # (T, D)
+        self._store(torch.cat([latent, index_keys.unsqueeze(1).to(latent.dtype)], dim=-1), kv_cache, meta)
+        rows = kv_cache.view(-1, self.cache_row_size)
+        if not self.sparse:
+            return self.o_proj(self._attend_dense(q_nope, q_pe, rows, meta))
+        self._audit_page_size(kv_cache.shape[1])
+        iq, weights = self.indexer.queries(x, q_resid, cos, sin)
+        query = self._absorb_query(q_nope, q_pe)  # (T, N, r + dr)
+        out = query.new_empty(x.shape[0], self.num_heads, self.kv_lora_rank)
+        for tokens, slots, lengths in self._groups(meta):
+            keys = gather_rows(rows, slots)[..., self.latent_size:].to(iq.dtype)  # (B, L, D)
+            b, n = lengths.shape
+            picked = self.indexer.select(iq[tokens].view(b, n, *iq.shape[1:]), weights[tokens].view(b, n, -1),
+                                         keys, lengths)  # (B, n, k) positions in each row's context
+            slot_ids = torch.where(picked >= 0, slots.gather(1, picked.clamp_min(0).flatten(1)).view_as(picked), -1)
+            out[tokens] = kernels.sparse_mla(query[tokens], rows, slot_ids.flatten(0, 1), self.kv_lora_rank,
+                                             self.softmax_scale, site=f"layers.{self.layer_idx}.self_attn")
+        return self.o_proj(self._unabsorb(out).flatten(1))
+
+    @staticmethod
+    def _groups(meta: AttentionMetadata):
+        """(flat token indices, (B, L) context slots, (B, n) visible lengths) per batch of queries: all decode rows
+        together (n = 1, contexts padded), then each prefill row (B = 1)."""
+        if meta.decode_rows:
+            lengths = meta.decode_valid.sum(1, keepdim=True)
+            yield meta.decode_tokens, meta.decode_slots, lengths
+        offsets = meta.query_offsets
+        for row, slots in zip(meta.prefill_rows, meta.prefill_slots):
+            lo, hi = offsets[row], offsets[row + 1]
+            lengths = torch.arange(meta.starts[row] + 1, meta.starts[row] + 1 + hi - lo, device=slots.device)
+            yield torch.arange(lo, hi, device=slots.device), slots[None], lengths[None]
+
+    def _audit_page_size(self, page_size: int) -> None:
+        if page_size != SPARSE_KERNEL_PAGE:
+            record("sparse_mla_pages", f"layers.{self.layer_idx}.self_attn", "flat-slots",
+                   (Refusal(f"paged-{SPARSE_KERNEL_PAGE}", f"page size {page_size}, sparse kernel needs "
+                                                           f"{SPARSE_KERNEL_PAGE}: realigned (indexer positions "
+                                                           f"mapped to flat cache slots)"),))
