@@ -146,6 +146,21 @@ def _sum_combine(tl) -> Any:
     return add
 
 
+def _max_combine(tl) -> Any:
+    """The combine function for ``tl.reduce`` taking the maximum, recognised by the interpreter like
+    :func:`_sum_combine` (``tl.max`` has the same import-order failure as ``tl.sum``)."""
+    combine = getattr(getattr(tl, "standard", None), "_elementwise_max", None)
+    if combine is not None:
+        return combine
+    import triton
+
+    @triton.jit
+    def maximum(a, b):
+        return tl.maximum(a, b)
+
+    return maximum
+
+
 def _signature(args: tuple, kwargs: dict) -> tuple:
     def one(value: Any) -> Any:
         if isinstance(value, torch.Tensor):

@@ -51,6 +51,7 @@ def _kernel():
         M,
         N,
         K,
+        num_kb,  # ceil(K / 128)
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,  # divides 128, so a tile of N uses one row of weight scales
         BLOCK_K: tl.constexpr,  # 128, the scale block
@@ -60,9 +61,8 @@ def _kernel():
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
-        num_kb = tl.cdiv(K, BLOCK_K)
         scale_row = (pid_n * BLOCK_N) // BLOCK_K
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)  # not tl.zeros: see common._sum_combine
         for kb in range(0, num_kb):
             k = kb * BLOCK_K + ks
             a = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + k[None, :],
@@ -87,7 +87,7 @@ def fp8_block_gemm_triton(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.T
         block_m = 16 if m <= 16 else 64
         block_n = 64 if n <= 64 else 128
         grid = (-(-m // block_m), -(-n // block_n))
-        _kernel()[grid](x_q, x_scale, w_q, w_scale, y, m, n, k, BLOCK_M=block_m, BLOCK_N=block_n,
+        _kernel()[grid](x_q, x_scale, w_q, w_scale, y, m, n, k, x_scale.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
                         BLOCK_K=FP8_BLOCK, num_warps=4)
     return y
 

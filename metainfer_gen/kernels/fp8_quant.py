@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from metainfer_gen import platform
-from metainfer_gen.kernels.common import (contiguous_refusal, dtype_refusal, first_refusal, lazy_triton_kernel,
-                                          triton_refusal)
+from metainfer_gen.kernels.common import (_max_combine, contiguous_refusal, dtype_refusal, first_refusal,
+                                          lazy_triton_kernel, triton_refusal)
 from metainfer_gen.kernels.registry import Op, register_op
 
 __all__ = ["FP8_BLOCK", "FP8_DTYPE", "FP8_MAX", "check_fp8_weight", "dequantize_fp8_weight_reference", "fp8_act_quant",
@@ -76,21 +76,26 @@ def dequantize_fp8_weight_reference(weight: torch.Tensor, scale_inv: torch.Tenso
 
 
 # Bound on the first kernel build (triton is imported lazily); kernels look names up in module globals.
-tl = triton = None
+tl = triton = max_combine = None
 
 
 @lazy_triton_kernel
 def _kernels():
-    global tl, triton  # kernels resolve names through module globals (closures are not seen)
+    global tl, triton, max_combine  # kernels resolve names through module globals (closures are not seen)
     import triton
     import triton.language as tl
+
+    # tl.max / tl.sum / tl.cdiv / tl.zeros are @triton.jit helpers the interpreter refuses to call when triton was
+    # imported before TRITON_INTERPRET was set (see common._sum_combine): reduce with combine functions instead.
+    max_combine = _max_combine(tl)
 
     @triton.jit
     def act_quant_kernel(
         x_ptr,  # (M, K) float activations, row stride stride_x
         y_ptr,  # (M, K) output: fp8 when STORE_FP8 else float32 (cast by the caller), contiguous
-        s_ptr,  # (M, ceil(K/128)) float32 scales, contiguous
+        s_ptr,  # (M, KG) float32 scales, contiguous
         K,
+        KG,  # ceil(K / 128) groups per row
         stride_x,
         MIN_AMAX,
         FP8_MAX: tl.constexpr,
@@ -102,12 +107,12 @@ def _kernels():
         cols = group * GROUP + tl.arange(0, GROUP)
         mask = cols < K  # the last group of a row may be partial
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), 0), MIN_AMAX) / FP8_MAX
+        scale = tl.maximum(tl.reduce(tl.abs(x), 0, max_combine), MIN_AMAX) / FP8_MAX
         y = x / scale
         if STORE_FP8:
             y = y.to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + row * K + cols, y, mask=mask)
-        tl.store(s_ptr + row * tl.cdiv(K, GROUP) + group, scale)
+        tl.store(s_ptr + row * KG + group, scale)
 
     @triton.jit
     def weight_dequant_kernel(
@@ -116,6 +121,7 @@ def _kernels():
         y_ptr,  # (N, K) output in the requested dtype, contiguous
         N,
         K,
+        KB,  # ceil(K / 128) scale columns
         BLOCK: tl.constexpr,  # 128: one program per weight tile
     ):
         bn = tl.program_id(0)
@@ -124,7 +130,7 @@ def _kernels():
         cols = bk * BLOCK + tl.arange(0, BLOCK)[None, :]
         mask = (rows < N) & (cols < K)  # partial last tiles keep their own scale
         w = tl.load(w_ptr + rows.to(tl.int64) * K + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.load(s_ptr + bn * tl.cdiv(K, BLOCK) + bk)
+        scale = tl.load(s_ptr + bn * KB + bk)
         tl.store(y_ptr + rows.to(tl.int64) * K + cols, (w * scale).to(y_ptr.dtype.element_ty), mask=mask)
 
     return act_quant_kernel, weight_dequant_kernel
@@ -136,7 +142,7 @@ def fp8_act_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     y = torch.empty(m, k, device=x.device, dtype=FP8_DTYPE if store_fp8 else torch.float32)
     scale = torch.empty(m, _num_blocks(k), device=x.device, dtype=torch.float32)
     if m and k:
-        _kernels()[0][(m, _num_blocks(k))](x, y, scale, k, x.stride(0), _MIN_AMAX, FP8_MAX=FP8_MAX, GROUP=FP8_BLOCK,
+        _kernels()[0][(m, _num_blocks(k))](x, y, scale, k, _num_blocks(k), x.stride(0), _MIN_AMAX, FP8_MAX=FP8_MAX, GROUP=FP8_BLOCK,
                                            STORE_FP8=store_fp8, num_warps=4)
     return (y if store_fp8 else y.to(FP8_DTYPE)), scale
 
@@ -146,7 +152,7 @@ def fp8_weight_dequant_triton(weight: torch.Tensor, scale_inv: torch.Tensor,
     n, k = weight.shape
     out = torch.empty(n, k, device=weight.device, dtype=dtype)
     if n and k:
-        _kernels()[1][(_num_blocks(n), _num_blocks(k))](weight, scale_inv, out, n, k, BLOCK=FP8_BLOCK, num_warps=4)
+        _kernels()[1][(_num_blocks(n), _num_blocks(k))](weight, scale_inv, out, n, k, _num_blocks(k), BLOCK=FP8_BLOCK, num_warps=4)
     return out
 
 

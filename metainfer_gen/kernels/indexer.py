@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from metainfer_gen.kernels.common import (contiguous_refusal, first_refusal, lazy_triton_kernel, pow2_at_least,
+from metainfer_gen.kernels.common import (_sum_combine, contiguous_refusal, first_refusal, lazy_triton_kernel, pow2_at_least,
                                           triton_refusal)
 from metainfer_gen.kernels.registry import Op, register_op
 
@@ -49,14 +49,16 @@ def indexer_topk_reference(q, weights, keys, lengths, topk: int, scale: float) -
 
 
 # Bound on the first kernel build (triton is imported lazily); kernels look names up in module globals.
-tl = triton = None
+tl = triton = sum_combine = None
 
 
 @lazy_triton_kernel
 def _kernel():
-    global tl, triton  # kernels resolve names through module globals (closures are not seen)
+    global tl, triton, sum_combine  # kernels resolve names through module globals (closures are not seen)
     import triton
     import triton.language as tl
+
+    sum_combine = _sum_combine(tl)  # tl.sum fails in the interpreter when triton was imported first
 
     @triton.jit
     def indexer_scores_kernel(
@@ -87,7 +89,7 @@ def _kernel():
                     mask=(keys[:, None] < L) & (d[None, :] < D), other=0.0).to(tl.float32)
         w = tl.load(w_ptr + query * H + h, mask=h < H, other=0.0).to(tl.float32)
         s = tl.maximum(tl.dot(q, tl.trans(k)) * scale, 0.0)  # (BLOCK_H, BLOCK_L)
-        index = tl.sum(s * w[:, None], 0)
+        index = tl.reduce(s * w[:, None], 0, sum_combine)
         length = tl.load(len_ptr + query)
         index = tl.where(keys < length, index, float("-inf"))
         tl.store(out_ptr + query * L + keys, index, mask=keys < L)

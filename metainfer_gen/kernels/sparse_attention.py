@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from metainfer_gen import platform
-from metainfer_gen.kernels.common import (contiguous_refusal, dtype_refusal, first_refusal, lazy_triton_kernel,
+from metainfer_gen.kernels.common import (_max_combine, _sum_combine, contiguous_refusal, dtype_refusal, first_refusal, lazy_triton_kernel,
                                           pow2_at_least, triton_refusal)
 from metainfer_gen.kernels.fp8_quant import FP8_DTYPE, fp8_arithmetic_refusal
 from metainfer_gen.kernels.registry import Op, register_op
@@ -44,14 +44,18 @@ def sparse_mla_reference(q: torch.Tensor, kv_rows: torch.Tensor, indices: torch.
 
 
 # Bound on the first kernel build (triton is imported lazily); kernels look names up in module globals.
-tl = triton = None
+tl = triton = sum_combine = max_combine = None
 
 
 @lazy_triton_kernel
 def _kernel():
-    global tl, triton  # kernels resolve names through module globals (closures are not seen)
+    global tl, triton, sum_combine, max_combine  # kernels resolve names through module globals
     import triton
     import triton.language as tl
+
+    # tl.max / tl.sum / tl.cdiv / tl.zeros are @triton.jit helpers the interpreter refuses to call when triton was
+    # imported before TRITON_INTERPRET was set (see common._sum_combine): reduce with combine functions instead.
+    sum_combine, max_combine = _sum_combine(tl), _max_combine(tl)
 
     @triton.jit
     def sparse_mla_kernel(
@@ -80,8 +84,8 @@ def _kernel():
         q_lat = tl.load(q_base + r[None, :], mask=(h[:, None] < N) & (r[None, :] < R), other=0.0).to(dot_dtype)
         q_pe = tl.load(q_base + R + p[None, :], mask=(h[:, None] < N) & (p[None, :] < P), other=0.0).to(dot_dtype)
         m = tl.full((BLOCK_H,), -1.0e30, tl.float32)  # finite: an all-padding block must not give inf - inf
-        denom = tl.zeros((BLOCK_H,), tl.float32)
-        acc = tl.zeros((BLOCK_H, BLOCK_R), tl.float32)
+        denom = tl.full((BLOCK_H,), 0.0, tl.float32)
+        acc = tl.full((BLOCK_H, BLOCK_R), 0.0, tl.float32)
         for start in range(0, K, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             slot = tl.load(idx_ptr + t * K + j, mask=j < K, other=-1)
@@ -91,10 +95,10 @@ def _kernel():
             pe = tl.load(row + R + p[None, :], mask=valid[:, None] & (p[None, :] < P), other=0.0).to(dot_dtype)
             s = (tl.dot(q_lat, tl.trans(c)) + tl.dot(q_pe, tl.trans(pe))) * scale  # (BLOCK_H, BLOCK_N) fp32
             s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
+            m_new = tl.maximum(m, tl.reduce(s, 1, max_combine))
             alpha = tl.exp(m - m_new)
             weights = tl.exp(s - m_new[:, None])
-            denom = denom * alpha + tl.sum(weights, 1)
+            denom = denom * alpha + tl.reduce(weights, 1, sum_combine)
             acc = acc * alpha[:, None] + tl.dot(weights.to(dot_dtype), c)
             m = m_new
         out = acc / denom[:, None]
