@@ -61,6 +61,9 @@ def _add_render_parser(subparsers) -> None:
     p.add_argument("--cache", type=_cache_spec, default="off",
                    help="step cache: auto (ours, balanced), quality, fast, auto=BUDGET, or a baseline: fbcache, "
                         "magcache, taylorseer, dbcache (name=value sets its threshold); off disables (default)")
+    p.add_argument("--lora", action="append", default=[], metavar="PATH[:WEIGHT]",
+                   help="LoRA file or folder, optional weight (default 1.0); repeat for several. A prompt-file line's "
+                        "'lora' field replaces these for that line")
     p.add_argument("--fused-kernels", action="store_true", help="swap the fused kernels into the transformer")
     p.add_argument("--audit", action="store_true", help="print which kernel paths ran and why faster ones were refused")
     p.set_defaults(func=cmd_render)
@@ -135,14 +138,15 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def _render(args: argparse.Namespace) -> int:
-    from metainfer_gen.apps.render import RenderJob, parse_prompt_file, render_batch
+    from metainfer_gen.apps.render import RenderJob, parse_lora_spec, parse_prompt_file, render_batch, use_loras
     from metainfer_gen.video.export import check_output_path
 
     if (args.prompt is None) == (args.prompts is None):
         raise ValueError("give either a PROMPT or --prompts FILE (exactly one)")
+    loras = [parse_lora_spec(spec) for spec in args.lora]  # a missing file fails here, before any loading
     get_pipeline = _pipeline_factory(args)
     if args.prompts:
-        jobs = parse_prompt_file(args.prompts, base_seed=args.seed, defaults=_call_args(args))
+        jobs = parse_prompt_file(args.prompts, base_seed=args.seed, defaults=_call_args(args), loras=loras)
         summary = render_batch(jobs, args.out_dir, get_pipeline, fmt=args.format, fps=args.fps)
         print(json.dumps(summary.to_dict()))
         return 0 if summary.failed == 0 else 1
@@ -150,10 +154,13 @@ def _render(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--image {args.image} does not exist")
     check_output_path(args.output)
     job = RenderJob(line=0, prompt=args.prompt, seed=args.seed, image=args.image, call=_call_args(args))
+    pipe = get_pipeline("text-to-video" if job.image is None else "image-to-video")
+    for report in use_loras(pipe, loras):
+        print(report.summary())
     if job.image is None:
-        output = get_pipeline("text-to-video")(job.prompt, seed=job.seed, **job.call)
+        output = pipe(job.prompt, seed=job.seed, **job.call)
     else:
-        output = get_pipeline("image-to-video")(job.image, job.prompt, seed=job.seed, **job.call)
+        output = pipe(job.image, job.prompt, seed=job.seed, **job.call)
     path = output.save(args.output, fps=args.fps)
     stats = output.stats
     cache = stats.cache
@@ -176,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     from metainfer_gen.apps.demo import add_demo_parser
 
     add_demo_parser(subparsers)
+    from metainfer_gen.apps.plan_cmd import add_plan_parser
+
+    add_plan_parser(subparsers)
     return parser
 
 

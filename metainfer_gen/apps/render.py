@@ -1,7 +1,7 @@
 """Batch rendering from a prompt file, with a manifest, atomic clips and resume.
 
 The prompt file holds one job per line: a JSON object (``{"prompt": ..., "seed": 3, "num_frames": 17,
-"image": "ref.png", "name": "intro"}``) or plain text (the prompt). Blank lines and lines starting with ``#`` are
+"image": "ref.png", "name": "intro", "lora": ["style.safetensors:0.8"]}``) or plain text (the prompt). Blank lines and lines starting with ``#`` are
 skipped. Each job gets a stable id from its content, so rerunning the same command skips every clip already
 finished (file present and recorded in the manifest) and retries the rest; a bad line or a failing clip is
 recorded with its error and the batch goes on. ``manifest.jsonl`` holds one line per job, rewritten atomically
@@ -26,7 +26,7 @@ MANIFEST = "manifest.jsonl"
 TMP_MANIFEST_PREFIX = ".manifest."
 FORMATS = ("mp4", "gif", "png")
 _CALL_KEYS = ("negative_prompt", "num_frames", "height", "width", "num_inference_steps", "guidance_scale")
-_LINE_KEYS = {"prompt", "seed", "image", "name", *_CALL_KEYS}
+_LINE_KEYS = {"prompt", "seed", "image", "name", "lora", *_CALL_KEYS}
 
 
 @dataclass(slots=True)
@@ -38,6 +38,8 @@ class RenderJob:
         image: reference image path for image-to-video, else None. name: output stem.
         call: call arguments given on the line (num_frames, height, ...); the rest come from the CLI/model.
         error: why the line could not be parsed (the job is then recorded, never rendered).
+        loras: ``(absolute LoRA path, weight)`` pairs active for this job (the line's ``lora`` field, else the
+            defaults given to :func:`parse_prompt_file`).
     """
 
     line: int
@@ -47,27 +49,62 @@ class RenderJob:
     name: str = ""
     call: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    loras: list[tuple[str, float]] = field(default_factory=list)
 
     @property
     def job_id(self) -> str:
         """Stable id from everything that determines the clip, not its file name or line (a bad line: its error)."""
         parts: list[Any] = [self.prompt, self.seed, self.image, sorted(self.call.items())]
+        if self.loras:  # only then: ids of jobs without LoRAs stay those of earlier versions (resume works)
+            parts.append([list(spec) for spec in self.loras])
         if self.error is not None:
             parts.append(self.error)  # bad lines keep apart: most have no prompt, so little else differs
         key = json.dumps(parts, default=str)
         return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
+def parse_lora_spec(text: str, base_dir: str | Path | None = None) -> tuple[str, float]:
+    """``"path[:weight]"`` -> (absolute path, weight); weight 1.0 when omitted. Relative paths resolve against
+    ``base_dir`` (default: the working directory).
+
+    Raises:
+        ValueError: empty text or a weight that is not a finite number.
+        FileNotFoundError: the LoRA file or folder does not exist (checked before any model is loaded).
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"a LoRA is given as 'path' or 'path:weight'; got {text!r}")
+    path, weight = text.strip(), 1.0
+    head, sep, tail = path.rpartition(":")
+    if sep and head and not Path(path).exists():
+        try:
+            weight = float(tail)
+        except ValueError:
+            raise ValueError(f"LoRA weight must be a number, as in 'style.safetensors:0.8'; got {tail!r}") from None
+        path = head
+    if weight != weight or weight in (float("inf"), float("-inf")):
+        raise ValueError(f"LoRA weight must be finite; got {weight!r}")
+    resolved = Path(path).expanduser()
+    if not resolved.is_absolute():
+        resolved = Path(base_dir or Path.cwd()).resolve() / resolved
+    if not resolved.exists():
+        raise FileNotFoundError(f"LoRA {path} does not exist")
+    return str(resolved), weight
+
+
 def _slug(text: str, limit: int = 40) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:limit] or "clip"
 
 
-def parse_prompt_file(path: str | Path, base_seed: int = 0, defaults: dict[str, Any] | None = None) -> list[RenderJob]:
+def parse_prompt_file(path: str | Path, base_seed: int = 0, defaults: dict[str, Any] | None = None,
+                      loras: list[tuple[str, float]] | None = None) -> list[RenderJob]:
     """Read a prompt file into jobs; bad lines become jobs with ``error`` set instead of raising.
 
     Args:
         base_seed: seed of a line without one is ``base_seed + its job index``.
         defaults: call arguments that apply to every line unless the line sets them.
+        loras: ``(path, weight)`` LoRAs of every line without a ``lora`` field (the CLI's ``--lora``). A line's
+            ``lora`` is a ``"path[:weight]"`` string or a list of them (``[]``: none), paths relative to the prompt
+            file; a missing file makes that line an error here, before anything renders.
     Raises:
         FileNotFoundError: the prompt file does not exist.
     """
@@ -79,7 +116,7 @@ def parse_prompt_file(path: str | Path, base_seed: int = 0, defaults: dict[str, 
         text = raw.strip()
         if not text or text.startswith("#"):
             continue
-        job = RenderJob(line=number, seed=base_seed + len(jobs), call=dict(defaults or {}))
+        job = RenderJob(line=number, seed=base_seed + len(jobs), call=dict(defaults or {}), loras=list(loras or []))
         jobs.append(job)
         try:
             # "[" too: a JSON array is a malformed line, not a prompt that happens to start with a bracket.
@@ -101,8 +138,13 @@ def parse_prompt_file(path: str | Path, base_seed: int = 0, defaults: dict[str, 
                 # Absolute, so the job id does not depend on the working directory or how the file was named.
                 job.image = str(image if image.is_absolute() else (path.resolve().parent / image))
             job.call.update({k: entry[k] for k in _CALL_KEYS if k in entry})
+            if "lora" in entry:
+                specs = [entry["lora"]] if isinstance(entry["lora"], str) else entry["lora"]
+                if not isinstance(specs, list):
+                    raise ValueError("'lora' must be a \"path[:weight]\" string or a list of them")
+                job.loras = [parse_lora_spec(spec, path.resolve().parent) for spec in specs]
             job.name = _slug(str(entry.get("name") or job.prompt))
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, FileNotFoundError) as exc:
             job.error = f"line {number}: {exc}"
     for index, job in enumerate(jobs):
         job.name = f"{index:04d}-{job.name or 'invalid'}-{job.job_id}"
@@ -164,6 +206,14 @@ class Manifest:
         os.replace(tmp, self.path)
 
 
+def use_loras(pipe, specs: list[tuple[str, float]]) -> list:
+    """Make ``specs`` the active LoRAs of ``pipe`` (no-op when none are asked and none were ever loaded, so any
+    callable serves as a pipeline for LoRA-free batches)."""
+    if not specs and not getattr(pipe, "list_loras", list)():
+        return []
+    return pipe.loras.use(specs)
+
+
 @dataclass(slots=True)
 class BatchSummary:
     """Counts of one batch run: rendered now, skipped (finished earlier), failed."""
@@ -213,10 +263,16 @@ def render_batch(
         try:
             if job.error:
                 raise ValueError(job.error)
+            pipe = get_pipeline("text-to-video" if job.image is None else "image-to-video")
+            if job.loras:
+                record["loras"] = [{"path": p, "weight": w} for p, w in job.loras]
+            reports = use_loras(pipe, job.loras)
+            for entry, report in zip(record.get("loras", []), reports):
+                entry.update(adapter=report.adapter_name, modules=len(report.modules), skipped=report.num_skipped)
             if job.image is None:
-                output = get_pipeline("text-to-video")(job.prompt, seed=job.seed, **job.call)
+                output = pipe(job.prompt, seed=job.seed, **job.call)
             else:
-                output = get_pipeline("image-to-video")(job.image, job.prompt, seed=job.seed, **job.call)
+                output = pipe(job.image, job.prompt, seed=job.seed, **job.call)
             output.save(out_dir / record["path"], fps=fps)
             record.update(status="ok", settings=output.settings, stats=output.stats.to_dict())
             summary.rendered += 1

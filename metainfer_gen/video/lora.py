@@ -175,6 +175,25 @@ class LoraSet:
         self._apply()
         return report
 
+    def use(self, specs: list[tuple[str, float]]) -> list[LoraReport]:
+        """Make exactly these ``(file, weight)`` LoRAs active, loading each file once (the CLI and batch path).
+
+        Adapters loaded earlier by this method and not listed drop to weight 0 (inactive: no cost per call) and
+        stay loaded for a later job. Returns the reports of the listed LoRAs, in order. Errors as :meth:`load`.
+        """
+        by_source = {report.source: name for name, report in self.reports.items()}
+        names = []
+        for source, weight in specs:
+            name = by_source.get(str(source))
+            if name is None:
+                name = self.load(source, weight=weight).adapter_name
+                by_source[str(source)] = name
+            names.append(name)
+        if self.weights:
+            wanted = dict(zip(names, (w for _, w in specs)))
+            self.set_weights({n: wanted.get(n, 0.0) for n in self.weights})
+        return [self.reports[n] for n in names]
+
     def set_weights(self, weights: dict[str, float]) -> None:
         """Change the weights of loaded adapters (others keep theirs); takes effect on the next call.
 
@@ -208,8 +227,9 @@ class LoraSet:
         :meth:`unfuse` restores them exactly. Raises ValueError when already fused, disabled, or empty.
         """
         self._refuse_if_fused("fuse again")
-        if not self.weights or not self.enabled:
-            raise ValueError("nothing to fuse: load a LoRA (and enable_lora) first")
+        active = [name for name, weight in self.weights.items() if weight != 0]
+        if not active or not self.enabled:
+            raise ValueError("nothing to fuse: load a LoRA with a weight other than 0 (and enable_lora) first")
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         backup = {}
@@ -217,7 +237,7 @@ class LoraSet:
             if isinstance(module, BaseTunerLayer):
                 for pname, param in module.get_base_layer().named_parameters(recurse=False):
                     backup[f"{name}.{pname}"] = param.detach().to("cpu", copy=True)
-        self.pipe.fuse_lora(components=[TARGET], lora_scale=1.0, adapter_names=list(self.weights))
+        self.pipe.fuse_lora(components=[TARGET], lora_scale=1.0, adapter_names=active)
         self._fused = backup
         self._stamp()
 
@@ -260,8 +280,9 @@ class LoraSet:
 
     # ----------------------------------------------------------------------------------------------- helpers
     def _apply(self) -> None:
-        if self.weights:
-            self.pipe.set_adapters(list(self.weights), list(self.weights.values()))
+        active = {n: w for n, w in self.weights.items() if w != 0} or self.weights  # weight 0: not computed
+        if active:
+            self.pipe.set_adapters(list(active), list(active.values()))
             if not self.enabled:
                 self.pipe.disable_lora()  # set_adapters re-enables the layers
         self._stamp()
