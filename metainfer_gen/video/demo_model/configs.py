@@ -1,7 +1,8 @@
 """Architecture of the embedded demo model: one place for every component's config.
 
 The model is a standard diffusers Wan pipeline (so stock ``diffusers.WanPipeline.from_pretrained`` loads it), only
-small: a causal 3D VAE with 4x spatial and 4x temporal compression, a 6-layer Wan DiT, and a frozen random tiny
+small: a causal 3D VAE with 4x spatial and 4x temporal compression (Wan 2.2's residual variant: 48 latent channels,
+space-to-channel shortcuts around every down/up block), a 6-layer Wan DiT, and a frozen random tiny
 UMT5 text encoder over a word-level tokenizer. The transformer is trained Wan 2.2 TI2V-style (per-token timesteps,
 a clean first latent frame half of the time), so the same weights serve text-to-video and image-to-video.
 """
@@ -11,13 +12,14 @@ from __future__ import annotations
 NUM_FRAMES = 17
 SIZE = 64
 TEXT_MAX_LENGTH = 16
-Z_DIM = 16
+Z_DIM = 48
 
 VAE_CONFIG = dict(
-    base_dim=24,
+    base_dim=32,
     decoder_base_dim=32,
     z_dim=Z_DIM,
-    dim_mult=[1, 2, 4],
+    dim_mult=[1, 2, 2],  # the residual blocks need equal widths where nothing is resampled
+    is_residual=True,  # Wan 2.2: AvgDown3D / DupUp3D shortcuts; 3x faster start than plain (19.3 vs 15.4 dB, step 100)
     num_res_blocks=1,
     temperal_downsample=[True, True],
     latents_mean=[0.0] * Z_DIM,  # replaced by measured statistics after training
