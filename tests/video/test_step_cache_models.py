@@ -4,6 +4,7 @@ denoising loop (with and without cache contexts), and on a Wan 2.2-style pipelin
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import replace
 
 import pytest
 import torch
@@ -78,11 +79,12 @@ def family(request):
     return model.eval(), latents, extra
 
 
-@pytest.mark.parametrize("contexts", [True, False], ids=["contexts", "no-context"])
-def test_each_family_reuses_and_removal_restores_exact_output(family, contexts):
+@pytest.mark.parametrize("contexts, signal", [(True, "input"), (False, "first_block")],
+                         ids=["contexts-input", "no-context-first-block"])
+def test_each_family_reuses_and_removal_restores_exact_output(family, contexts, signal):
     model, latents, extra = family
     reference = denoise(model, latents, extra, contexts)
-    apply_step_cache(model, PERMISSIVE)
+    apply_step_cache(model, replace(PERMISSIVE, signal=signal))
     begin_step_cache_call(model, NUM_STEPS)
     with count_block_evaluations([model]) as counter:
         cached = denoise(model, latents, extra, contexts)
@@ -90,7 +92,9 @@ def test_each_family_reuses_and_removal_restores_exact_output(family, contexts):
     assert stats.num_reused > 0 and torch.isfinite(cached).all()
     assert {r.branch for r in stats.steps} == ({"cond", "uncond"} if contexts else {"branch0", "branch1"})
     assert all(r.computed for r in stats.steps if r.step in (0, 1, NUM_STEPS - 1))
-    assert counter.num_evaluations == stats.num_computed * counter.num_blocks + stats.num_reused
+    # A reused call runs no block with the input signal, the first block with the first-block signal.
+    head = stats.num_reused if signal == "first_block" else 0
+    assert counter.num_evaluations == stats.num_computed * counter.num_blocks + head
     remove_step_cache(model)
     assert torch.equal(denoise(model, latents, extra, contexts), reference)
 

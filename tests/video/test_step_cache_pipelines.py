@@ -37,8 +37,8 @@ def _assert_reused_and_counted(out, branches):
     cache = out.stats.cache
     assert set(cache["per_branch"]) == set(branches)
     assert all(counts["reused"] > 0 for counts in cache["per_branch"].values()), cache["per_branch"]
-    # A computed call runs every block, a reused one only the first.
-    assert out.stats.block_evaluations == cache["num_computed"] * NUM_BLOCKS + cache["num_reused"]
+    # A computed call runs every block; a reused one none (the default input signal needs no block).
+    assert out.stats.block_evaluations == cache["num_computed"] * NUM_BLOCKS
 
 
 def test_enable_twice_raises_and_disable_removes_every_hook(fresh_t2v):

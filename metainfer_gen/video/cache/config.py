@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
+
+SIGNALS = ("input", "first_block")  # what the cheap per-step signal is measured on (see StepCacheConfig.signal)
 
 # name -> (error_budget, max_consecutive_reuses): one knob from careful to fast.
 PRESETS: dict[str, tuple[float, int]] = {
@@ -18,11 +21,15 @@ DEFAULT_PRESET = "balanced"
 class StepCacheConfig:
     """How the step cache decides, per denoising step and CFG branch, to reuse the transformer's residual.
 
-    Every step runs the first transformer block. The relative L1 change of that block's residual against the
-    previous step (the *signal*) is mapped to a predicted relative change of the full transformer residual by a
-    ratio fitted online on the computed steps (no per-model coefficients). A step reuses the cached residual of
-    the blocks after the first (optionally extrapolated to first order from the last two computed steps) while the
-    predicted error accumulated over the current run of reused steps stays within ``error_budget``.
+    Every step measures a cheap *signal*: the relative L1 change, against the previous step, of the first block's
+    inputs (image tokens plus timestep embedding, as TeaCache's modulated input; ``signal="input"``, nothing is
+    computed on a reused step) or of the first block's residual (as FBCache; ``signal="first_block"``, the first
+    block runs every step). A ratio maps it to the predicted relative change of the transformer residual: read from
+    a calibration made by ``metainfer-gen calibrate`` (per position in the schedule, see
+    :mod:`~metainfer_gen.video.cache.calibration`) when one is given, else fitted online on the computed steps.
+    No per-model coefficients are fitted by hand. A step reuses the cached residual (optionally extrapolated to
+    first order from the last two computed steps) while the predicted error accumulated over the current run of
+    reused steps stays within ``error_budget``.
 
     Args:
         error_budget: the one quality/speed knob: accumulated predicted relative error (unitless, > 0) allowed
@@ -33,6 +40,10 @@ class StepCacheConfig:
         extrapolate: use first-order extrapolation of the residual from the last two computed steps, when its
             online-measured error is below that of plain reuse.
         calibration_momentum: weight of the previous ratio when a new one is measured, in [0, 1).
+        signal: ``"input"`` (cheapest, default) or ``"first_block"`` (one block per reused step, more robust
+            without a calibration).
+        calibration: a :class:`~metainfer_gen.video.cache.calibration.Calibration` (its ``signal`` must match),
+            or None to fit the ratio online.
     Raises:
         ValueError: a value out of range, with what to use instead.
     Example::
@@ -49,6 +60,8 @@ class StepCacheConfig:
     compute_last_step: bool = True
     extrapolate: bool = True
     calibration_momentum: float = 0.5
+    signal: str = "input"
+    calibration: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.error_budget, bool) or not isinstance(self.error_budget, (int, float)) \
@@ -64,6 +77,17 @@ class StepCacheConfig:
         momentum = self.calibration_momentum
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
             raise ValueError(f"calibration_momentum must be in [0, 1); got {momentum!r}")
+        if self.signal not in SIGNALS:
+            raise ValueError(f"signal must be one of {SIGNALS}; got {self.signal!r}")
+        if self.calibration is not None:
+            from metainfer_gen.video.cache.calibration import Calibration
+
+            if not isinstance(self.calibration, Calibration):
+                raise ValueError(f"calibration must be a Calibration (calibration.load(path)) or None; got "
+                                 f"{type(self.calibration).__name__}")
+            if self.calibration.signal != self.signal:
+                raise ValueError(f"the calibration measured signal={self.calibration.signal!r} but this config uses "
+                                 f"signal={self.signal!r}: recalibrate or set signal={self.calibration.signal!r}")
 
     @classmethod
     def preset(cls, name: str = DEFAULT_PRESET, **overrides) -> "StepCacheConfig":

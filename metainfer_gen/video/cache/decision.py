@@ -3,8 +3,11 @@
 Per CFG branch, :class:`BranchBook` keeps what the decision needs: how many steps were computed, the current run
 of reused steps, the signal accumulated since the last computed step, and the fitted ratios that map that signal
 to the relative change of the full residual. The tensor side (``hooks.py``) measures the numbers; this file
-decides. The error model follows TeaCache/MagCache (accumulate a per-step estimate until a threshold) but fits
-its single coefficient online from the steps it computes, instead of polynomials fitted by hand per model.
+decides. The error model follows TeaCache/MagCache (accumulate a per-step estimate until a threshold): the drift
+of the reused residual grows by ``ratio * signal`` each reused step, and the run's error is the sum of those
+drifts (each reused step adds its own output error to the latents). The ratio comes from a calibration by
+schedule position (MagCache's per-step ratios, measured by ``metainfer-gen calibrate``), or is fitted online from
+the computed steps; never from polynomials fitted by hand per model (TeaCache).
 """
 
 from __future__ import annotations
@@ -47,20 +50,30 @@ class BranchBook:
     num_computed: int = 0
     consecutive_reuses: int = 0
     signal_since_compute: float = 0.0
-    error_since_compute: float = 0.0
-    reuse_ratio: float | None = None  # relative residual change per unit of signal, plain reuse
+    drift_reuse: float = 0.0  # predicted relative change of the residual since the last computed step
+    drift_extrapolation: float = 0.0  # the same for the first-order extrapolation's error
+    error_since_compute: float = 0.0  # sum of the drifts of the reused steps of the current run
+    reuse_ratio: float | None = None  # relative residual change per unit of signal, plain reuse (fitted online)
     extrapolation_ratio: float | None = None  # the same for the first-order extrapolation's error
     pending_signal: float = 0.0  # signal accumulated up to the step being computed, for the refit
 
     def reset(self) -> None:
         self.num_computed = self.consecutive_reuses = 0
-        self.signal_since_compute = self.error_since_compute = 0.0
+        self._clear_run()
         self.reuse_ratio = self.extrapolation_ratio = None
+
+    def _clear_run(self) -> None:
+        self.signal_since_compute = self.drift_reuse = self.drift_extrapolation = self.error_since_compute = 0.0
         self.pending_signal = 0.0
 
     def decide(self, config: StepCacheConfig, step: int, num_steps: int | None, signal: float | None,
-               can_extrapolate: bool) -> Decision:
-        """Decide for ``step`` (0-based) of ``num_steps`` (None when unknown) given this step's ``signal``."""
+               can_extrapolate: bool, prior: tuple[float, float | None] | None = None) -> Decision:
+        """Decide for ``step`` (0-based) of ``num_steps`` (None when unknown) given this step's ``signal``.
+
+        Args:
+            prior: (reuse ratio, extrapolation ratio or None) of a calibration at this step's position in the
+                schedule; None uses the ratios fitted online.
+        """
         if signal is None:
             return self._compute(Reason.NO_SIGNAL)
         signal_total = self.signal_since_compute + signal
@@ -68,17 +81,23 @@ class BranchBook:
             return self._compute(Reason.WARMUP, signal_total)
         if config.compute_last_step and num_steps is not None and step >= num_steps - 1:
             return self._compute(Reason.LAST_STEP, signal_total)
-        if self.reuse_ratio is None:
+        reuse_ratio, extrapolation_ratio = prior if prior is not None else (self.reuse_ratio,
+                                                                            self.extrapolation_ratio)
+        if reuse_ratio is None:
             return self._compute(Reason.CALIBRATING, signal_total)
         if self.consecutive_reuses >= config.max_consecutive_reuses:
             return self._compute(Reason.REUSE_CAP, signal_total)
-        extrapolate = bool(config.extrapolate and can_extrapolate and self.extrapolation_ratio is not None
-                           and self.extrapolation_ratio < self.reuse_ratio)
-        ratio = self.extrapolation_ratio if extrapolate else self.reuse_ratio
-        predicted = self.error_since_compute + ratio * signal_total
+        drift_reuse = self.drift_reuse + reuse_ratio * signal
+        drift_extrapolation = (self.drift_extrapolation + extrapolation_ratio * signal
+                               if extrapolation_ratio is not None else None)
+        extrapolate = bool(config.extrapolate and can_extrapolate and drift_extrapolation is not None
+                           and drift_extrapolation < drift_reuse)
+        predicted = self.error_since_compute + (drift_extrapolation if extrapolate else drift_reuse)
         if predicted > config.error_budget:
             return self._compute(Reason.OVER_BUDGET, signal_total, predicted)
         self.signal_since_compute = signal_total
+        self.drift_reuse = drift_reuse
+        self.drift_extrapolation = drift_extrapolation if drift_extrapolation is not None else drift_reuse
         self.error_since_compute = predicted
         self.consecutive_reuses += 1
         return Decision(True, Reason.WITHIN_BUDGET, predicted, extrapolate)
@@ -106,8 +125,7 @@ class BranchBook:
                                                        config)
         self.num_computed += 1
         self.consecutive_reuses = 0
-        self.signal_since_compute = self.error_since_compute = 0.0
-        self.pending_signal = 0.0
+        self._clear_run()
 
     @staticmethod
     def _blend(old: float | None, new: float, config: StepCacheConfig) -> float:

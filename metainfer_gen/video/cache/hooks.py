@@ -1,8 +1,9 @@
 """The step-cache hooks on a diffusers transformer, and ``apply_step_cache`` / ``remove_step_cache``.
 
 Follows diffusers' ``hooks/first_block_cache.py``: a root hook on the transformer numbers the call (step and CFG
-branch) and selects the branch's state; the head hook runs the first block, measures the signal and decides;
-the other blocks either run or pass their inputs through, and the tail block stores the new residual. Hooks are
+branch) and selects the branch's state; the head hook measures the signal on the first block's inputs (or runs
+the block and measures its residual) and decides; the other blocks either run or pass their inputs through, and
+the tail block stores the new residual. Hooks are
 ``diffusers.hooks.ModelHook`` objects in each module's ``HookRegistry``, removable by their constant names.
 """
 
@@ -18,7 +19,7 @@ from diffusers.utils.torch_utils import unwrap_module
 from metainfer_gen.video.cache.blocks import ENCODER_ARG, HIDDEN_ARG, BlockIO
 from metainfer_gen.video.cache.config import StepCacheConfig
 from metainfer_gen.video.cache.decision import Decision, Reason
-from metainfer_gen.video.cache.state import BranchState, CallTracker, relative_l1
+from metainfer_gen.video.cache.state import BranchState, CallTracker, signal_between
 from metainfer_gen.video.cache.stats import StepRecord
 
 ROOT_HOOK = "metainfer_step_cache_root"
@@ -40,23 +41,28 @@ class _Run:
     position: float = 0.0
     reuse: bool = False
     disabled_reason: str | None = None
+    record: StepRecord | None = None
 
-    def decide(self, head_residual: torch.Tensor) -> Decision:
-        state = self.state
-        previous = state.head_residual
-        signal = relative_l1(head_residual, previous) if previous is not None else None
-        state.head_residual = head_residual
+    def decide(self, sources: tuple[torch.Tensor, ...]) -> Decision:
+        """Measure the signal on ``sources`` against the previous step's, decide, and record the step."""
+        state, steps = self.state, self.tracker.num_inference_steps
+        signal = signal_between(sources, state.signal_sources)
+        state.signal_sources = sources
         if self.disabled_reason:
             decision = Decision(False, Reason.DISABLED)
         else:
-            decision = state.book.decide(self.config, self.step, self.tracker.num_inference_steps, signal,
-                                         can_extrapolate=len(state.history) == 2)
+            calibration = self.config.calibration
+            prior = None
+            if calibration is not None and steps is not None and steps > 1:
+                prior = calibration.ratios_at(self.model, self.step / (steps - 1))
+            decision = state.book.decide(self.config, self.step, steps, signal,
+                                         can_extrapolate=len(state.history) == 2, prior=prior)
             if decision.reuse and not state.history:
                 decision = Decision(False, Reason.NO_SIGNAL)
         self.reuse = decision.reuse
-        self.tracker.current.steps.append(StepRecord(
-            self.step, self.branch, self.model, not decision.reuse, decision.reason.value, signal,
-            decision.predicted_error, self.config.error_budget, decision.extrapolate))
+        self.record = StepRecord(self.step, self.branch, self.model, not decision.reuse, decision.reason.value,
+                                 signal, decision.predicted_error, self.config.error_budget, decision.extrapolate)
+        self.tracker.current.steps.append(self.record)
         return decision
 
 
@@ -139,23 +145,35 @@ class _BlockHook(ModelHook):
 
 
 class StepCacheHeadHook(_BlockHook):
-    """On the first block: always runs it; on a reused step adds the cached residual and skips the rest."""
+    """On the first block: decides. ``signal="input"``: from the block's inputs (image tokens and ``temb``), and a
+    reused step runs no block at all; ``"first_block"``: runs the block and decides from its residual. On a reused
+    step it adds the cached residual to the reference (the input, or the first block's output)."""
 
     def new_forward(self, module, *args, **kwargs):
         run = self.run
-        output = self.fn_ref.original_forward(*args, **kwargs)
         if run.state is None:  # a block called outside the hooked transformer forward
-            return output
-        hidden_in, _ = self.io.inputs(args, kwargs)
+            return self.fn_ref.original_forward(*args, **kwargs)
+        hidden_in, encoder_in = self.io.inputs(args, kwargs)
+        if run.config.signal == "input":
+            temb = self.io.argument("temb", args, kwargs)
+            decision = run.decide((hidden_in, temb) if isinstance(temb, torch.Tensor) else (hidden_in,))
+            if not decision.reuse:
+                run.state.head_reference = (hidden_in, encoder_in)
+                return self.fn_ref.original_forward(*args, **kwargs)
+            return self._reuse(decision, hidden_in, encoder_in, like=None)
+        output = self.fn_ref.original_forward(*args, **kwargs)
         hidden_out, encoder_out = self.io.outputs(output)
-        decision = run.decide(hidden_out - hidden_in)
+        decision = run.decide((hidden_out - hidden_in,))
         if not decision.reuse:
-            run.state.head_output = (hidden_out, encoder_out)
+            run.state.head_reference = (hidden_out, encoder_out)
             return output
-        residual, encoder_residual = run.state.estimate(run.position, decision.extrapolate)
-        if encoder_out is not None and encoder_residual is not None:
-            encoder_out = encoder_out + encoder_residual
-        return self.io.pack(hidden_out + residual, encoder_out, like=output)
+        return self._reuse(decision, hidden_out, encoder_out, like=output)
+
+    def _reuse(self, decision: Decision, hidden, encoder, like):
+        residual, encoder_residual = self.run.state.estimate(self.run.position, decision.extrapolate)
+        if encoder is not None and encoder_residual is not None:
+            encoder = encoder + encoder_residual
+        return self.io.pack(hidden + residual, encoder, like=like)
 
 
 class StepCacheBlockHook(_BlockHook):
@@ -166,20 +184,23 @@ class StepCacheBlockHook(_BlockHook):
         if run.state is not None and run.reuse:
             return self.io.pack(*self.io.inputs(args, kwargs))
         output = self.fn_ref.original_forward(*args, **kwargs)
-        if self.is_tail and run.state is not None and run.state.head_output is not None and not run.disabled_reason:
+        if self.is_tail and run.state is not None and run.state.head_reference is not None \
+                and not run.disabled_reason:
             self._store(output)
         return output
 
     def _store(self, output) -> None:
         run = self.run
-        (head, head_encoder), (hidden, encoder) = run.state.head_output, self.io.outputs(output)
-        run.state.head_output = None
+        (head, head_encoder), (hidden, encoder) = run.state.head_reference, self.io.outputs(output)
+        run.state.head_reference = None
         if hidden.shape != head.shape:
             run.disabled_reason = f"the last block's output {tuple(hidden.shape)} differs from the first's"
             return
         same = encoder is not None and head_encoder is not None and encoder.shape == head_encoder.shape
         changes = run.state.store(run.position, (hidden - head, encoder - head_encoder if same else None))
         run.state.book.computed(run.config, *changes)
+        if run.record is not None:
+            run.record.change, run.record.extrapolation_error = changes
 
 
 def _root_hook(transformer: torch.nn.Module) -> StepCacheRootHook | None:

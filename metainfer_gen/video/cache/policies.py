@@ -47,19 +47,41 @@ class CachePolicy:
 
 
 class StepCachePolicy(CachePolicy):
-    """Ours: :func:`~metainfer_gen.video.cache.apply.apply_step_cache` on each transformer, one shared tracker."""
+    """Ours: :func:`~metainfer_gen.video.cache.apply.apply_step_cache` on each transformer, one shared tracker.
 
-    def __init__(self, config: StepCacheConfig, name: str = "auto"):
-        self.config, self.name = config, name
+    With ``find_calibration`` (the named presets), a ``step_cache_calibration.json`` beside the model
+    (``metainfer-gen calibrate``) supplies the signal-to-error ratios when the config has none and the file was
+    measured on the same transformer classes; otherwise the ratios are fitted online. ``self.ratios`` says which.
+    """
+
+    def __init__(self, config: StepCacheConfig, name: str = "auto", find_calibration: bool = False):
+        self.config, self.name, self.find_calibration = config, name, find_calibration
+        self.ratios = "online"
 
     def apply(self, pipe) -> None:
         from metainfer_gen.video.cache.apply import apply_step_cache
         from metainfer_gen.video.cache.state import CallTracker
 
+        config = self._with_calibration(pipe)
         tracker = CallTracker(policy=self.name)
         tracker.current.policy = self.name
         for attribute, model in denoisers(pipe):
-            apply_step_cache(model, self.config, tracker=tracker, model_name=attribute)
+            apply_step_cache(model, config, tracker=tracker, model_name=attribute)
+
+    def _with_calibration(self, pipe) -> StepCacheConfig:
+        from dataclasses import replace
+
+        from metainfer_gen.video.cache import calibration
+
+        config = self.config
+        if config.calibration is None and self.find_calibration:
+            path = calibration.beside_model(pipe)
+            if path is not None and path.is_file():
+                found = calibration.load(path)
+                if found.matches(dict(denoisers(pipe))) is None:
+                    config = replace(config, signal=found.signal, calibration=found)
+        self.ratios = config.calibration.source or "given" if config.calibration is not None else "online"
+        return config
 
     def remove(self, pipe) -> None:
         from metainfer_gen.video.cache.apply import is_step_cache_enabled, remove_step_cache
@@ -87,6 +109,7 @@ class StepCachePolicy(CachePolicy):
         finally:
             stats = [end_step_cache_call(model) for model in models]
             if stats and stats[0] is not None:
+                stats[0].ratios = self.ratios
                 report.update(stats[0].to_dict())
 
 
@@ -166,4 +189,4 @@ def make_policy(spec: str | StepCacheConfig | CachePolicy) -> CachePolicy | None
     if name in BASELINES:
         return BASELINES[name](value)
     overrides = {} if value is None else {"error_budget": value}
-    return StepCachePolicy(StepCacheConfig.preset(name, **overrides), name=spec.strip().lower())
+    return StepCachePolicy(StepCacheConfig.preset(name, **overrides), name=spec.strip().lower(), find_calibration=True)

@@ -1,7 +1,8 @@
 """Tensor state of the step cache: one :class:`BranchState` per CFG branch, and the step clock of a call.
 
-A :class:`BranchState` (a diffusers ``BaseState``, kept per cache context by a ``StateManager``) holds the first
-block's last residual, the current step's first-block output and the residuals of the last two computed steps.
+A :class:`BranchState` (a diffusers ``BaseState``, kept per cache context by a ``StateManager``) holds the
+tensors the signal was measured on at the previous step, the reference the residual is taken against on the
+current computed step (the first block's input or output) and the residuals of the last two computed steps.
 The :class:`CallTracker` is shared by the transformers of one pipeline (Wan 2.2's two experts): it numbers
 steps from the timesteps it sees, so it works whether or not the pipeline opens cache contexts, and it collects
 the per-call stats.
@@ -21,8 +22,19 @@ Parts = tuple[torch.Tensor, "torch.Tensor | None"]  # (image-token tensor, text-
 
 def relative_l1(new: torch.Tensor, old: torch.Tensor) -> float:
     """mean|new - old| / mean|old|, in float32 (one host sync)."""
+    return float(_relative_l1(new, old))
+
+
+def _relative_l1(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     old32 = old.float()
-    return float((new.float() - old32).abs().mean() / old32.abs().mean().clamp_min(1e-12))
+    return (new.float() - old32).abs().mean() / old32.abs().mean().clamp_min(1e-12)
+
+
+def signal_between(new: tuple[torch.Tensor, ...], old: tuple[torch.Tensor, ...] | None) -> float | None:
+    """Sum of the relative L1 changes of matching tensors (one host sync for all); None without a previous step."""
+    if old is None or len(old) != len(new) or any(a.shape != b.shape for a, b in zip(new, old)):
+        return None
+    return float(sum(_relative_l1(a, b) for a, b in zip(new, old)))
 
 
 @dataclass(slots=True)
@@ -40,14 +52,14 @@ class BranchState(BaseState):
         super().__init__()
         self.book = BranchBook()
         self.shape_key: tuple | None = None
-        self.head_residual: torch.Tensor | None = None  # first block's residual on the previous step
-        self.head_output: Parts | None = None  # first block's output on the current (computed) step
+        self.signal_sources: tuple[torch.Tensor, ...] | None = None  # what the signal measured, previous step
+        self.head_reference: Parts | None = None  # the residual's origin on the current (computed) step
         self.history: list[ComputedResidual] = []  # last two computed residuals, oldest first
 
     def reset(self) -> None:
         self.book.reset()
         self.shape_key = None
-        self.head_residual = self.head_output = None
+        self.signal_sources = self.head_reference = None
         self.history = []
 
     def check_shapes(self, key: tuple) -> None:
@@ -65,16 +77,18 @@ class BranchState(BaseState):
 
     def store(self, position: float, parts: Parts) -> tuple[float | None, float | None]:
         """Keep a computed residual; return (reuse change, extrapolation error) measured against history."""
-        reuse_change = extrapolation_error = None
+        measured: list[torch.Tensor] = []
         if self.history:
             last = self.history[-1].parts[0]
-            reuse_change = relative_l1(parts[0], last)
+            measured.append(_relative_l1(parts[0], last))
             if len(self.history) == 2:
                 guess = _extrapolate(self.history[0], self.history[1], position)[0]
-                extrapolation_error = float((parts[0].float() - guess.float()).abs().mean()
-                                            / last.float().abs().mean().clamp_min(1e-12))
+                measured.append((parts[0].float() - guess.float()).abs().mean()
+                                / last.float().abs().mean().clamp_min(1e-12))
         self.history = [*self.history[-1:], ComputedResidual(position, parts)]
-        return reuse_change, extrapolation_error
+        values = torch.stack(measured).tolist() if measured else []  # one host sync for both
+        values += [None] * (2 - len(values))
+        return values[0], values[1]
 
 
 def _extrapolate(older: ComputedResidual, newer: ComputedResidual, position: float) -> Parts:

@@ -18,6 +18,9 @@ class StepRecord:
         reason: why (see ``decision.Reason``). signal: relative L1 change of the first block's residual (None on
             a branch's first step). predicted_error: accumulated predicted error if reused. budget: the budget.
         extrapolated: the reused residual was extrapolated from the last two computed steps.
+        change: on a computed step, the measured relative L1 change of the transformer residual since the
+            previous computed step (what a reuse would have missed); None otherwise. extrapolation_error: the
+            same for the first-order extrapolation. ``metainfer-gen calibrate`` fits its ratios from these.
     """
 
     step: int
@@ -29,6 +32,8 @@ class StepRecord:
     predicted_error: float | None
     budget: float
     extrapolated: bool = False
+    change: float | None = None
+    extrapolation_error: float | None = None
 
 
 @dataclass(slots=True)
@@ -38,12 +43,14 @@ class StepCacheStats:
     Attributes:
         policy: policy name ("auto", "fbcache", ...). num_inference_steps: steps of the call (None if unknown).
         disabled_reason: why the cache stood aside for the whole call (e.g. too few steps), else None.
+        ratios: where the signal-to-error ratios came from: a calibration file's path, or ``"online"``.
         steps: one :class:`StepRecord` per transformer call (empty for the baseline policies, which report none).
     """
 
     policy: str = "auto"
     num_inference_steps: int | None = None
     disabled_reason: str | None = None
+    ratios: str = "online"
     steps: list[StepRecord] = field(default_factory=list)
 
     @property
