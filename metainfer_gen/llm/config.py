@@ -19,9 +19,16 @@ class EngineConfig:
         enable_chunked_prefill: split long prompts across steps; when off, ``max_num_batched_tokens`` must be at
             least ``max_model_len`` so every prompt fits one step.
         enable_prefix_caching: reuse the KV of full blocks shared with earlier requests.
-        num_kv_blocks: size of the block pool; None derives it from ``kv_cache_memory_gib`` (capped at what
-            ``max_num_seqs`` sequences of ``max_model_len`` tokens can use).
-        kv_cache_memory_gib: memory for the KV cache when ``num_kv_blocks`` is None.
+        num_kv_blocks: size of the block pool (explicit override); None sizes it from memory, capped at what
+            ``max_num_seqs`` sequences of ``max_model_len`` tokens can use.
+        kv_cache_memory_gib: memory for the KV cache when ``num_kv_blocks`` is None (explicit override); None
+            measures instead: one prefill of the largest chunk is profiled and the KV pool gets
+            ``memory_budget_gib`` minus weights, that peak and the margin.
+        memory_budget_gib: memory the engine may use in all (weights + activations + KV); None takes the device's
+            free memory plus what the process already holds on CUDA, and the weights plus a quarter of the
+            available RAM on the CPU.
+        kv_memory_margin: fraction of the budget left unallocated when sizing from measurement (allocator
+            fragmentation, memory the profile cannot see).
         dtype: weights and activations, "float32" (CPU default), "bfloat16" (CUDA default) or "float16".
         device: "cpu", "cuda", "cuda:N"; None picks CUDA when available.
         seed: seed of the sampler for requests without their own seed.
@@ -42,7 +49,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None
-    kv_cache_memory_gib: float = 0.5
+    kv_cache_memory_gib: float | None = None
+    memory_budget_gib: float | None = None
+    kv_memory_margin: float = 0.05
     dtype: str | None = None
     device: str | None = None
     seed: int = 0
@@ -59,8 +68,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be None or an int >= 1; got {value!r}")
-        if not self.kv_cache_memory_gib > 0:
-            raise ValueError(f"kv_cache_memory_gib must be > 0; got {self.kv_cache_memory_gib!r}")
+        for name in ("kv_cache_memory_gib", "memory_budget_gib"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be None or > 0; got {value!r}")
+        if not 0 <= self.kv_memory_margin < 0.5:
+            raise ValueError(f"kv_memory_margin must be in [0, 0.5); got {self.kv_memory_margin!r}")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES} or None; got {self.dtype!r}")
         if self.quantization not in (None, "fp8"):

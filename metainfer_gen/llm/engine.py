@@ -53,7 +53,12 @@ class LLMEngine:
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.cache_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
-        num_blocks = config.num_kv_blocks or self._blocks_for_memory()
+        from metainfer_gen.llm.kv_sizing import size_kv_pool
+
+        self.kv_sizing = size_kv_pool(model, config, max_model_len=max_model_len, dtype=self.dtype,
+                                      device=self.device,
+                                      bytes_per_block=kv_cache_bytes_per_block(model, config.block_size, self.cache_dtype))
+        num_blocks = self.kv_sizing.num_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
@@ -91,12 +96,6 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
         return cls(model, config, max_model_len=max_len, tokenizer=tokenizer, eos_token_ids=tuple(sorted(eos_ids)))
-
-    def _blocks_for_memory(self) -> int:
-        per_block = kv_cache_bytes_per_block(self.model, self.config.block_size, self.cache_dtype)
-        by_memory = int(self.config.kv_cache_memory_gib * 2**30) // per_block
-        useful = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
-        return max(1, min(by_memory, useful))
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -136,10 +135,13 @@ class LLMEngine:
                                   f"max_model_len={self.max_model_len}; shorten it below {self.max_model_len} tokens")
         total = min(len(token_ids) + params.max_new_tokens, self.max_model_len)
         if total > self.kv_capacity_tokens:
+            per_token = self.kv_sizing.bytes_per_block / self.config.block_size
             raise RequestRejected(f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
-                                  f"needs {total} tokens of KV cache but the pool holds {self.kv_capacity_tokens} "
-                                  f"({self.block_manager.num_blocks} blocks of {self.config.block_size}); lower "
-                                  f"max_new_tokens or give the engine more KV memory")
+                                  f"needs {total} tokens of KV cache ({total * per_token / 2**20:.2f} MiB at "
+                                  f"{per_token:.0f} bytes/token) but the pool holds {self.kv_capacity_tokens} "
+                                  f"({self.block_manager.num_blocks} blocks of {self.config.block_size}; "
+                                  f"{self.kv_sizing.describe()}); lower max_new_tokens or give the engine more "
+                                  f"KV memory")
         seq = Sequence(token_ids, params, request_id=request_id or "")
         self._requests[seq.request_id] = seq
         self.scheduler.add(seq)

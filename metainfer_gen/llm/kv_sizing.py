@@ -1,0 +1,101 @@
+"""Size the KV block pool: an explicit block count or GiB, or measured (profile the largest step, give the rest).
+
+Measured sizing follows vLLM's ``determine_available_memory`` (profile a forward of ``max_num_batched_tokens``,
+then KV = budget - weights - peak), with the budget stated instead of a ``gpu_memory_utilization`` fraction
+copied between machines, and a margin that is a stated share of that budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from metainfer_gen.llm.memory_profile import measure_prefill_peak, tensor_bytes
+
+MIB = 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class KVPoolSizing:
+    """How the pool was sized; bytes per rank (0 where a field does not apply to ``source``).
+
+    Attributes:
+        source: "num_kv_blocks", "kv_cache_memory_gib" or "measured".
+        num_blocks, bytes_per_block: the pool.
+        budget, weights, activation_peak, margin: the measured split (``profiled_tokens`` tokens profiled).
+        capped: True when fewer blocks than memory allows were kept (``max_num_seqs`` x ``max_model_len``).
+    """
+
+    source: str
+    num_blocks: int
+    bytes_per_block: int
+    budget: int = 0
+    weights: int = 0
+    activation_peak: int = 0
+    margin: int = 0
+    profiled_tokens: int = 0
+    capped: bool = False
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        """One line with the numbers, for refusals and logs."""
+        pool = f"{self.num_blocks} blocks = {self.num_blocks * self.bytes_per_block / MIB:.1f} MiB"
+        if self.source != "measured":
+            return f"KV pool {pool} (set by {self.source})"
+        return (f"KV pool {pool} from a {self.budget / MIB:.1f} MiB budget - weights {self.weights / MIB:.1f} MiB - "
+                f"measured peak {self.activation_peak / MIB:.1f} MiB ({self.profiled_tokens}-token prefill) - "
+                f"margin {self.margin / MIB:.1f} MiB" + (" (capped by max_num_seqs x max_model_len)"
+                                                          if self.capped else ""))
+
+
+def default_budget(model, device: torch.device) -> int:
+    """Bytes the engine may use when no budget is given: CUDA free memory plus what this process already holds;
+    on the CPU the weights plus a quarter of ``MemAvailable`` (the RAM is shared with everything else)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_allocated(device)
+    available = 4 * 2**30
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return tensor_bytes(model) + available // 4
+
+
+def size_kv_pool(model, config, *, max_model_len: int, dtype: torch.dtype, device: torch.device,
+                 bytes_per_block: int) -> KVPoolSizing:
+    """The pool for ``config`` (an :class:`~metainfer_gen.llm.config.EngineConfig`).
+
+    Under tensor parallelism every rank profiles and the smallest pool wins, so block tables agree.
+    Raises:
+        ValueError: the measured split leaves no room for even one block (the message has the numbers).
+    """
+    useful = config.max_num_seqs * -(-max_model_len // config.block_size)
+    if config.num_kv_blocks:
+        return KVPoolSizing("num_kv_blocks", config.num_kv_blocks, bytes_per_block)
+    if config.kv_cache_memory_gib:
+        blocks = max(1, min(int(config.kv_cache_memory_gib * 2**30) // bytes_per_block, useful))
+        return KVPoolSizing("kv_cache_memory_gib", blocks, bytes_per_block)
+    tokens = min(config.max_num_batched_tokens, max_model_len)
+    peak = measure_prefill_peak(model, tokens, config.block_size, dtype, device)
+    weights = tensor_bytes(model)
+    budget = int(config.memory_budget_gib * 2**30) if config.memory_budget_gib else default_budget(model, device)
+    margin = int(config.kv_memory_margin * budget)
+    by_memory = (budget - weights - peak - margin) // bytes_per_block
+    tp = getattr(model, "tp", None)
+    if tp is not None and tp.enabled:
+        gathered = tp.all_gather_last(torch.tensor([[float(by_memory)]], dtype=torch.float64, device=device))
+        by_memory = int(gathered.min().item())
+    if by_memory < 1:
+        raise ValueError(f"no memory left for the KV cache: budget {budget / MIB:.1f} MiB - weights "
+                         f"{weights / MIB:.1f} MiB - measured peak {peak / MIB:.1f} MiB ({tokens}-token prefill) - "
+                         f"margin {margin / MIB:.1f} MiB < one block ({bytes_per_block} bytes); raise "
+                         f"memory_budget_gib or lower max_num_batched_tokens")
+    return KVPoolSizing("measured", int(min(by_memory, useful)), bytes_per_block, budget=budget, weights=weights,
+                        activation_peak=peak, margin=margin, profiled_tokens=tokens, capped=by_memory > useful)

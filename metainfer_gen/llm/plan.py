@@ -1,0 +1,241 @@
+"""Capacity and parallelism plan per phase, from a model config and the hardware alone (no weights, no device).
+
+    plan = make_plan(ModelDims.from_path("benchmarks/configs/deepseek_v32.json"),
+                     Hardware(num_devices=8, device_memory=48 * 2**30, interconnect="pcie"), concurrency=16)
+    print(format_plan(plan)); json.dumps(plan)
+
+Layouts (N devices, all of them used in both phases; a rank's weights are the union of what both layouts need):
+
+- prefill (tp, cp), tp * cp = N: ``cp`` groups each take 1/cp of a prompt's tokens (context parallelism, ring
+  exchange of latent rows), heads split over the ``tp`` ranks of a group, routed experts over all N ranks.
+- decode (tp = N, dcp): heads and experts split over all ranks; every sequence's KV rows are sharded over ``dcp``
+  ranks of the group (vLLM's decode context parallelism: MLA's latent row is otherwise replicated on every
+  tensor-parallel rank, so TP alone never shrinks KV per rank).
+- the single global setting it is compared with: tp = N in both phases, latent replicated, bf16 KV, and a static
+  memory fraction of 0.90 (vLLM's ``gpu_memory_utilization`` default) instead of a measured reserve.
+
+Collective bytes are per rank per token, summed over layers; seconds come from an assumed effective per-link
+bandwidth (``LINK_GBPS``; override it per run), latency ignored. Sources: vLLM docs (context parallel deployment),
+DeepSeek-V3 report (prefill/decode deployment), Ring Attention (arXiv:2310.01889).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from metainfer_gen.llm.plan_model import (WEIGHT_FORMATS, ModelDims, kv_bytes_per_token, prefill_activation_bytes,
+                                          weight_bytes_per_rank)
+
+GIB = 2**30
+LINK_GBPS = {"pcie": 24.0, "nvlink": 200.0}  # effective GB/s per rank (PCIe 4.0 x16; A100-class NVLink bus bw)
+BASELINE_FRACTION = 0.90
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    """The devices the plan is for.
+
+    Args:
+        num_devices: devices on one host, >= 1.
+        device_memory: bytes per device.
+        interconnect: "pcie" or "nvlink".
+        reserve: bytes per device kept for the runtime outside tensors (CUDA context, collective buffers, graphs).
+        margin: fraction of device memory kept free for allocator fragmentation.
+        link_gbps: effective GB/s per rank; None takes ``LINK_GBPS[interconnect]``.
+    Raises:
+        ValueError: a value out of range.
+    """
+
+    num_devices: int
+    device_memory: int
+    interconnect: str = "pcie"
+    reserve: int = int(1.5 * GIB)
+    margin: float = 0.02
+    link_gbps: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_devices < 1 or self.device_memory <= 0:
+            raise ValueError(f"need num_devices >= 1 and device_memory > 0; got {self.num_devices}, "
+                             f"{self.device_memory}")
+        if self.interconnect not in LINK_GBPS:
+            raise ValueError(f"interconnect must be one of {sorted(LINK_GBPS)}; got {self.interconnect!r}")
+        if not 0 <= self.margin < 0.5:
+            raise ValueError(f"margin must be in [0, 0.5); got {self.margin}")
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second per rank."""
+        return (self.link_gbps or LINK_GBPS[self.interconnect]) * 1e9
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def prefill_comm_bytes(d: ModelDims, tp: int, cp: int, kv_token_bytes: float, act_bytes: int = 2) -> dict:
+    """Bytes a rank moves per prompt token in the prefill layout (tp, cp), by collective.
+
+    Two all-reduces of the hidden state per layer in a group (a rank sees 1/cp of the tokens); the ring passes each
+    token's KV rows (latent + indexer keys) to the other cp - 1 groups; a token's hidden goes to the group holding
+    each of its k experts and back (shared by the group's tp ranks).
+    """
+    h = d.hidden * act_bytes
+    out = {"tp_all_reduce": d.num_layers * 2 * 2 * (tp - 1) / tp * h / cp,
+           "cp_ring_kv": (cp - 1) / cp * kv_token_bytes,
+           "ep_all_to_all": d.num_moe_layers * 2 * d.top_k * h * (cp - 1) / cp / (tp * cp)}
+    return {**out, "total": sum(out.values())}
+
+
+def decode_comm_bytes(d: ModelDims, tp: int, dcp: int, act_bytes: int = 2) -> dict:
+    """Bytes a rank moves per decode token with heads over ``tp`` ranks and KV sharded over ``dcp`` of them:
+    two all-reduces per layer, plus the queries of the dcp group's other heads (absorbed, latent width) and the
+    float32 partial outputs with their log-sum-exp back (vLLM decode context parallelism)."""
+    heads = d.num_heads / tp
+    out = {"tp_all_reduce": d.num_layers * 2 * 2 * (tp - 1) / tp * d.hidden * act_bytes,
+           "dcp_exchange": d.num_layers * (dcp - 1) * heads * (d.latent_row * act_bytes + (d.kv_lora_rank + 1) * 4)}
+    return {**out, "total": sum(out.values())}
+
+
+def _capacity(hw: Hardware, weights: float, act: float, kv_tok: float, fraction: float | None) -> tuple[float, int]:
+    """(KV bytes per rank, tokens of full KV rows per rank). ``fraction`` None: measured-style budget (device minus
+    reserve and margin); otherwise the static fraction of device memory."""
+    if fraction is None:
+        budget = hw.device_memory * (1 - hw.margin) - hw.reserve - weights - act
+    else:
+        budget = hw.device_memory * fraction - weights - act
+    return max(0.0, budget), max(0, int(budget // kv_tok)) if budget > 0 else 0
+
+
+def _rows_per_token(concurrency: int, cp_prefill: int, dcp: int) -> float:
+    """KV rows a rank holds per token of context with ``concurrency`` sequences resident: the worse of (a)
+    concurrency - 1 in the decode layout (1/dcp of their rows here) plus one being prefilled (1/cp_prefill), and
+    (b) all of them decoding."""
+    return max((concurrency - 1) / dcp + 1 / cp_prefill, concurrency / dcp)
+
+
+def _context(cap: int, concurrency: int, cp_prefill: int, dcp: int, limit: int) -> int:
+    """Longest prompt + output per sequence at ``concurrency``; ``limit`` (max positions) caps it unless 0."""
+    tokens = int(cap // _rows_per_token(concurrency, cp_prefill, dcp))
+    return min(tokens, limit) if limit else tokens
+
+
+def _concurrency(cap: int, context: int, cp_prefill: int, dcp: int) -> int:
+    """Most sequences of ``context`` tokens resident at once (0: not even one)."""
+    if context <= 0:
+        return 0
+    by_prefill = (cap / context - 1 / cp_prefill) * dcp + 1
+    by_decode = cap * dcp / context
+    return max(0, int(min(by_prefill, by_decode) + 1e-9))
+
+
+def _evaluate(d, hw, fmt, kv_fmt, chunk, cp, dcp, concurrency, context, fraction=None) -> dict:
+    n = hw.num_devices
+    tp = n // cp
+    weights = weight_bytes_per_rank(d, fmt, attn_tp=tp, expert_ranks=n)
+    act = prefill_activation_bytes(d, -(-chunk // cp), chunk, tp, n)
+    kv_tok = kv_bytes_per_token(d, kv_fmt)["total"]
+    kv_budget, cap = _capacity(hw, weights, act, kv_tok, fraction)
+    pre, dec = prefill_comm_bytes(d, tp, cp, kv_tok), decode_comm_bytes(d, n, dcp)
+    return {"prefill": {"tp": tp, "cp": cp}, "decode": {"tp": n, "dcp": dcp},
+            "weights_gib": weights / GIB, "activation_gib": act / GIB, "kv_budget_gib": kv_budget / GIB,
+            "kv_token_bytes": kv_tok, "capacity_tokens": cap,
+            "max_context": _context(cap, concurrency, cp, dcp, d.max_positions),
+            "max_context_uncapped": _context(cap, concurrency, cp, dcp, 0),
+            "max_concurrency": _concurrency(cap, context, cp, dcp) if context else None,
+            "prefill_comm_bytes": pre, "decode_comm_bytes": dec,
+            "prefill_comm_us": pre["total"] / hw.bandwidth * 1e6, "decode_comm_us": dec["total"] / hw.bandwidth * 1e6}
+
+
+def make_plan(d: ModelDims, hw: Hardware, *, concurrency: int = 1, max_context: int | None = None,
+              weight_format: str = "auto", kv_format: str = "fp8", chunk: int = 8192) -> dict:
+    """The per-phase plan and the single-setting baseline, as a JSON-ready dict (sizes in GiB, bytes, tokens).
+
+    Args:
+        concurrency: sequences resident at once (C).
+        max_context: the context (prompt + output tokens) to serve; None asks for the longest at C.
+        weight_format: "bf16", "fp8", "int4", or "auto" (the first of those that leaves room for KV).
+        kv_format: "bf16" or "fp8" for the plan (the baseline always keeps bf16).
+        chunk: prefill chunk (tokens per step across the prefill group).
+    Raises:
+        ValueError: bad arguments.
+    """
+    if concurrency < 1 or chunk < 1 or (max_context is not None and max_context < 1):
+        raise ValueError("concurrency, chunk and max_context must be >= 1")
+    n = hw.num_devices
+    formats = list(WEIGHT_FORMATS) if weight_format == "auto" else [weight_format]
+    target = max_context or 0
+    fmt = formats[-1]
+    for f in formats:
+        if _evaluate(d, hw, f, kv_format, chunk, 1, n, 1, 0)["capacity_tokens"] > 0:
+            fmt = f
+            break
+    options = [_evaluate(d, hw, fmt, kv_format, chunk, cp, dcp, concurrency, target)
+               for cp in _divisors(n) for dcp in _divisors(n)]
+    if target:
+        feasible = [o for o in options if o["max_context_uncapped"] >= target]
+        best = min(feasible, key=lambda o: (o["prefill_comm_us"] + o["decode_comm_us"])) if feasible else None
+    else:
+        feasible, best = [], None
+    if best is None:
+        best = max(options, key=lambda o: (o["max_context"], o["max_context_uncapped"], -o["weights_gib"],
+                                           -(o["prefill_comm_us"] + o["decode_comm_us"])))
+    base = _evaluate(d, hw, fmt, "bf16", chunk, 1, 1, concurrency, target, fraction=BASELINE_FRACTION)
+    return {
+        "model": {"model_type": d.model_type, "layers": d.num_layers, "hidden": d.hidden, "heads": d.num_heads,
+                  "experts": d.num_experts, "indexer": bool(d.index_head_dim), "max_positions": d.max_positions},
+        "hardware": {"devices": n, "device_memory_gib": hw.device_memory / GIB, "interconnect": hw.interconnect,
+                     "link_gbps": hw.bandwidth / 1e9, "reserve_gib": hw.reserve / GIB, "margin": hw.margin},
+        "request": {"concurrency": concurrency, "max_context": max_context, "chunk": chunk},
+        "weights_per_rank_gib": {f: weight_bytes_per_rank(d, f, n, n) / GIB for f in WEIGHT_FORMATS},
+        "weight_format": fmt,
+        "kv_bytes_per_token": {k: kv_bytes_per_token(d, k) for k in ("bf16", "fp8")},
+        "kv_format": kv_format,
+        "options": options,
+        "plan": {**best, "reasons": _reasons(best, options, base, target, concurrency, bool(feasible))},
+        "baseline": {**base, "kv_format": "bf16", "memory_fraction": BASELINE_FRACTION},
+    }
+
+
+def _reasons(best: dict, options: list[dict], base: dict, target: int, conc: int, feasible: bool) -> dict:
+    tp, cp, dcp = best["prefill"]["tp"], best["prefill"]["cp"], best["decode"]["dcp"]
+    kb = best["prefill_comm_bytes"]["total"] / 1e3
+    same_dec = [o for o in options if o["decode"]["dcp"] == dcp]
+    cp1 = next(o for o in same_dec if o["prefill"]["cp"] == 1)
+    goal = (f"holds {target} tokens x {conc}" if feasible else
+            f"longest context at concurrency {conc}" + (f" ({target} x {conc} fits no layout)" if target else ""))
+    prefill = (f"TP={tp} x CP={cp}: {goal}; a rank keeps 1/{cp} of the prompt's KV while prefilling, moves "
+               f"{kb:.1f} KB/token ({best['prefill_comm_us']:.2f} us) against {cp1['prefill_comm_bytes']['total'] / 1e3:.1f}"
+               f" KB at CP=1, weights {best['weights_gib']:.1f} GiB/rank (attention heads over {tp} ranks)")
+    decode = (f"TP={best['decode']['tp']} with KV sharded over {dcp} rank(s): capacity {best['capacity_tokens']} "
+              f"token rows/rank covers {dcp}x that many tokens of context, {best['decode_comm_us']:.2f} us/token "
+              f"of traffic; the global TP={base['decode']['tp']} setting replicates the latent and stops at "
+              f"{base['max_context']} tokens at concurrency {conc}")
+    if not best["capacity_tokens"]:
+        need = min((o["weights_gib"] + o["activation_gib"]) for o in options)
+        prefill = decode = (f"does not fit: weights {best['weights_gib']:.1f} GiB/rank + activations + reserve "
+                            f"leave no KV memory; each device needs more than {need:.1f} GiB plus reserve and "
+                            f"margin (or more devices, or a smaller weight format)")
+    return {"prefill": prefill, "decode": decode}
+
+
+def format_plan(plan: dict) -> str:
+    """Markdown tables: per-rank sizes, the options, and plan vs baseline."""
+    hw, p, b = plan["hardware"], plan["plan"], plan["baseline"]
+    kv = plan["kv_bytes_per_token"]
+    lines = [f"{plan['model']['model_type']} on {hw['devices']} x {hw['device_memory_gib']:.0f} GiB "
+             f"({hw['interconnect']}, {hw['link_gbps']:.0f} GB/s assumed)", "",
+             "| weights/rank (TP=N) | " + " | ".join(plan["weights_per_rank_gib"]) + " |",
+             "|---|" + "---|" * len(plan["weights_per_rank_gib"]),
+             "| GiB | " + " | ".join(f"{v:.1f}" for v in plan["weights_per_rank_gib"].values()) + " |", "",
+             "| KV bytes/token (all layers) | latent | indexer | total |", "|---|---|---|---|"]
+    lines += [f"| {k} | {v['latent']:.0f} | {v['indexer']:.0f} | {v['total']:.0f} |" for k, v in kv.items()]
+    lines += ["", "| setting | prefill | decode | weights GiB | act GiB | KV GiB | KV rows/rank | context @C | "
+              "C @context | prefill KB/tok | decode KB/tok |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, o in (("plan", p), ("global", b)):
+        lines.append(f"| {name} | TP{o['prefill']['tp']} CP{o['prefill']['cp']} | TP{o['decode']['tp']} "
+                     f"DCP{o['decode']['dcp']} | {o['weights_gib']:.1f} | {o['activation_gib']:.2f} | "
+                     f"{o['kv_budget_gib']:.2f} | {o['capacity_tokens']} | {o['max_context']} | "
+                     f"{o['max_concurrency'] if o['max_concurrency'] is not None else '-'} | "
+                     f"{o['prefill_comm_bytes']['total'] / 1e3:.1f} | {o['decode_comm_bytes']['total'] / 1e3:.1f} |")
+    lines += ["", f"prefill: {p['reasons']['prefill']}", f"decode: {p['reasons']['decode']}"]
+    return "\n".join(lines)

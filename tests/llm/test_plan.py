@@ -1,0 +1,65 @@
+"""The planner against published numbers and its own arithmetic; the ``metainfer-gen plan`` command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from metainfer_gen.apps.cli import main
+from metainfer_gen.apps.plan_cmd import parse_bytes
+from metainfer_gen.llm.plan import GIB, Hardware, make_plan
+from metainfer_gen.llm.plan_model import ModelDims, kv_bytes_per_token, weight_bytes_per_rank
+
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+
+
+def test_deepseek_v32_sizes_match_published_figures():
+    d = ModelDims.from_path(CONFIGS / "deepseek_v32.json")
+    kv = kv_bytes_per_token(d, "bf16")
+    assert kv["latent"] == 61 * 576 * 2 and kv["indexer"] == 61 * 128 * 2
+    assert kv_bytes_per_token(d, "fp8")["latent"] == 61 * 656  # FlashMLA's FP8 row: 512 + 4 x 4 + 64 x 2
+    assert kv_bytes_per_token(d, "fp8")["indexer"] == 61 * 132
+    params = weight_bytes_per_rank(d, "bf16", 1, 1) / 2
+    assert 671e9 < params < 690e9  # 671B main model + the DSA indexers
+    assert weight_bytes_per_rank(d, "fp8", 8, 8) < weight_bytes_per_rank(d, "fp8", 4, 8)
+
+
+def test_plan_context_and_concurrency_agree():
+    d = ModelDims.from_path(CONFIGS / "deepseek_v32.json")
+    hw = Hardware(num_devices=8, device_memory=80 * GIB, interconnect="pcie")
+    plan = make_plan(d, hw, concurrency=16, max_context=32768)
+    p, base = plan["plan"], plan["baseline"]
+    assert p["max_context_uncapped"] >= 32768 and p["max_concurrency"] >= 16
+    assert base["max_concurrency"] < 16 and base["decode"] == {"tp": 8, "dcp": 1}
+    # The per-token KV a rank holds, times the context and the rows per token, fits the KV budget.
+    rows = max(15 / p["decode"]["dcp"] + 1 / p["prefill"]["cp"], 16 / p["decode"]["dcp"])
+    assert rows * p["max_context_uncapped"] * p["kv_token_bytes"] <= p["kv_budget_gib"] * GIB
+    assert p["prefill"]["tp"] * p["prefill"]["cp"] == 8 and "TP=" in p["reasons"]["decode"]
+
+
+def test_glm5_on_48gib_says_it_does_not_fit():
+    plan = make_plan(ModelDims.from_path(CONFIGS / "glm5.json"), Hardware(8, 48 * GIB))
+    assert plan["plan"]["capacity_tokens"] == 0 and "does not fit" in plan["plan"]["reasons"]["prefill"]
+
+
+def test_cli_table_and_json(capsys):
+    args = ["plan", "--model", str(CONFIGS / "deepseek_v32.json"), "--devices", "8", "--device-memory", "48GiB",
+            "--interconnect", "pcie", "--concurrency", "16"]
+    assert main(args) == 0
+    assert "| plan |" in capsys.readouterr().out
+    assert main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plan"]["max_context"] > out["baseline"]["max_context"]
+    assert main(["plan", "--model", "missing.json"]) == 2
+
+
+@pytest.mark.parametrize("text, value", [("48GiB", 48 * GIB), ("80 GB", 80 * 10**9), ("1.5gib", int(1.5 * GIB))])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+def test_parse_bytes_refuses_garbage():
+    with pytest.raises(ValueError, match="not a size"):
+        parse_bytes("48XB")
