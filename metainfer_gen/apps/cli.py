@@ -4,6 +4,7 @@
     metainfer-gen render "the blue square moves up" --image first_frame.png -o clip.mp4
     metainfer-gen render --prompts prompts.jsonl --out-dir clips/
     metainfer-gen demo                      # the Gradio demo on http://127.0.0.1:7860
+    metainfer-gen calibrate --model DIR     # the step cache's signal-to-error mapping, stored beside the model
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def _add_render_parser(subparsers) -> None:
     p.add_argument("--cache", type=_cache_spec, default="off",
                    help="step cache: auto (ours, balanced), quality, fast, auto=BUDGET, or a baseline: fbcache, "
                         "magcache, taylorseer, dbcache (name=value sets its threshold); off disables (default)")
+    p.add_argument("--cache-calibration", default=None, metavar="PATH",
+                   help="step_cache_calibration.json from 'metainfer-gen calibrate' for our cache (default: the "
+                        "file beside the model when present, else ratios fitted online)")
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:WEIGHT]",
                    help="LoRA file or folder, optional weight (default 1.0); repeat for several. A prompt-file line's "
                         "'lora' field replaces these for that line")
@@ -119,7 +123,7 @@ def _pipeline_factory(args: argparse.Namespace) -> Callable[[str], Any]:
                 pipe = cls.from_pretrained(args.model, torch_dtype=dtype, device=args.device)
                 if args.fused_kernels:
                     pipe.enable_fused_kernels()
-                pipe.enable_step_cache(args.cache)
+                pipe.enable_step_cache(args.cache, calibration=args.cache_calibration)
             loaded[task] = pipe
         return loaded[task]
 
@@ -183,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     from metainfer_gen.apps.demo import add_demo_parser
 
     add_demo_parser(subparsers)
+    from metainfer_gen.apps.calibrate_cmd import add_calibrate_parser
+
+    add_calibrate_parser(subparsers)
     from metainfer_gen.apps.plan_cmd import add_plan_parser
 
     add_plan_parser(subparsers)

@@ -106,7 +106,7 @@ class VideoPipelineBase:
         for model in self.transformers:
             unfuse_kernels(model)
 
-    def enable_step_cache(self, cache: Any = "auto") -> None:
+    def enable_step_cache(self, cache: Any = "auto", calibration: Any = None) -> None:
         """Reuse transformer work across denoising steps.
 
         Args:
@@ -114,8 +114,12 @@ class VideoPipelineBase:
                 ``"auto=0.2"`` (ours with that error budget), a ``video.cache.StepCacheConfig``, or a baseline for
                 comparison: ``"fbcache[=threshold]"``, ``"magcache[=threshold]"``, ``"taylorseer[=interval]"``,
                 ``"dbcache[=threshold]"`` (needs cache-dit). ``"off"`` does nothing.
+            calibration: for ours, a ``metainfer-gen calibrate`` file (path) or a loaded ``Calibration``; by
+                default a ``step_cache_calibration.json`` beside the model is used when present, else the
+                signal-to-error ratios are fitted online.
         Raises:
-            ValueError: a cache is already enabled (call :meth:`disable_step_cache` first), or a bad spec.
+            ValueError: a cache is already enabled (call :meth:`disable_step_cache` first), a bad spec, or a
+                calibration given with a baseline. FileNotFoundError: no such calibration file.
         Each call's ``out.stats.cache`` then reports what the cache did; ``out.stats.block_evaluations`` counts
         the blocks that ran.
         """
@@ -124,7 +128,7 @@ class VideoPipelineBase:
         if self.step_cache is not None:
             raise ValueError(f"a step cache ({self.step_cache.name}) is already enabled; call disable_step_cache() "
                              "first")
-        policy = make_policy(cache)
+        policy = make_policy(cache, calibration=calibration)
         if policy is not None:
             policy.apply(self.diffusers_pipeline)
         self.step_cache = policy

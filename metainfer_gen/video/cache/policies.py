@@ -169,24 +169,42 @@ def policy_names() -> list[str]:
     return [OFF, "auto", *PRESETS, *BASELINES]
 
 
-def make_policy(spec: str | StepCacheConfig | CachePolicy) -> CachePolicy | None:
+def make_policy(spec: str | StepCacheConfig | CachePolicy, calibration: Any = None) -> CachePolicy | None:
     """A policy from a spec string, a :class:`StepCacheConfig` or a ready policy; None for ``"off"``.
 
-    Raises:
-        ValueError: unknown name or bad value. TypeError: another type.
-    """
-    from metainfer_gen.video.cache.baselines import BASELINES
+    ``calibration`` (ours only): a calibration file's path or a loaded
+    :class:`~metainfer_gen.video.cache.calibration.Calibration`; its signal replaces the config's.
 
+    Raises:
+        ValueError: unknown name, bad value, or a calibration with a baseline. TypeError: another type.
+        FileNotFoundError: no such calibration file.
+    """
+    from dataclasses import replace
+
+    from metainfer_gen.video.cache.baselines import BASELINES
+    from metainfer_gen.video.cache.calibration import Calibration, load
+
+    if calibration is not None and not isinstance(calibration, Calibration):
+        calibration = load(calibration)
     if isinstance(spec, CachePolicy):
-        return spec
-    if isinstance(spec, StepCacheConfig):
-        return StepCachePolicy(spec, name="custom")
-    if not isinstance(spec, str):
+        policy = spec
+    elif isinstance(spec, StepCacheConfig):
+        policy = StepCachePolicy(spec, name="custom")
+    elif not isinstance(spec, str):
         raise TypeError(f"cache must be a policy name, a StepCacheConfig or a CachePolicy; got {type(spec).__name__}")
-    name, value = parse_spec(spec)
-    if name == OFF:
-        return None
-    if name in BASELINES:
-        return BASELINES[name](value)
-    overrides = {} if value is None else {"error_budget": value}
-    return StepCachePolicy(StepCacheConfig.preset(name, **overrides), name=spec.strip().lower(), find_calibration=True)
+    else:
+        name, value = parse_spec(spec)
+        if name == OFF:
+            return None
+        if name in BASELINES:
+            if calibration is not None:
+                raise ValueError(f"a calibration applies to our step cache, not to the {name} baseline")
+            return BASELINES[name](value)
+        overrides = {} if value is None else {"error_budget": value}
+        policy = StepCachePolicy(StepCacheConfig.preset(name, **overrides), name=spec.strip().lower(),
+                                 find_calibration=True)
+    if calibration is not None:
+        if not isinstance(policy, StepCachePolicy):
+            raise ValueError(f"a calibration applies to our step cache, not to {policy.name}")
+        policy.config = replace(policy.config, signal=calibration.signal, calibration=calibration)
+    return policy
