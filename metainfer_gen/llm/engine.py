@@ -57,7 +57,8 @@ class LLMEngine:
 
         self.kv_sizing = size_kv_pool(model, config, max_model_len=max_model_len, dtype=self.dtype,
                                       device=self.device,
-                                      bytes_per_block=kv_cache_bytes_per_block(model, config.block_size, self.cache_dtype))
+                                      bytes_per_block=kv_cache_bytes_per_block(model, config.block_size,
+                                                                               self.cache_dtype))
         num_blocks = self.kv_sizing.num_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
