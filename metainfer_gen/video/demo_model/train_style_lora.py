@@ -1,0 +1,144 @@
+"""Train the demo *style* LoRA: the same moving shapes, on a light grey background instead of a dark one.
+
+The effect is measurable without a person: the border colour of the clips moves to the style's background at
+weight 1.0 and stays where the base model puts it at weight 0.0, while prompt adherence (colour, direction) is
+kept. Run on a pipeline folder (resumable: rerun the same command after a stop)::
+
+    OMP_NUM_THREADS=2 python -m metainfer_gen.video.demo_model.train_style_lora build/demo_model/pipeline \
+        --work-dir build/demo_model/style_lora --out metainfer_gen/assets/loras/style_light_grey.safetensors
+
+Objective: rectified flow exactly as ``train_transformer`` (shifted uniform noise levels, the model predicts
+``noise - x0``, one prompt in ten dropped for guidance), text-to-video clips only, on the LoRA parameters only.
+Clips are procedural (``data.sample_spec``) with the background replaced by :data:`STYLE_BACKGROUND`; they are
+encoded once to ``work_dir/latents.pt``. The end of the run writes the LoRA and ``work_dir/eval.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from metainfer_gen.training import ResumableRun
+from metainfer_gen.video.demo_model import lora_eval, lora_training
+from metainfer_gen.video.demo_model.data import TEMPLATES, render_clip, sample_spec, training_combinations
+from metainfer_gen.video.demo_model.train_transformer import prompt_table, shifted_sigmas
+
+STYLE_BACKGROUND = (0.85, 0.85, 0.85)
+
+
+def styled_clips(num_clips: int, num_frames: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Videos (N, 3, F, size, size) in [-1, 1] on the style background, and their prompt index (N,) into
+    ``train_transformer.prompt_table`` (combination-major, template-minor)."""
+    generator = torch.Generator().manual_seed(seed)
+    combos = training_combinations()
+    videos, index = [], []
+    for _ in range(num_clips):
+        combo = int(torch.randint(len(combos), (), generator=generator))
+        spec = dataclasses.replace(sample_spec(combos[combo], num_frames, size, generator), background=STYLE_BACKGROUND)
+        videos.append(render_clip(spec, num_frames, size)[0])
+        index.append(combo * len(TEMPLATES) + int(torch.randint(len(TEMPLATES), (), generator=generator)))
+    return torch.stack(videos), torch.tensor(index)
+
+
+@torch.no_grad()
+def encoded_data(pipe, work_dir: Path, num_clips: int, num_frames: int, size: int, seed: int) -> dict:
+    """``{"latents", "prompt_index", "target_background"}``, encoded once and kept in ``work_dir/latents.pt``.
+
+    ``target_background`` is the border colour of the styled clips after a VAE round trip: what the style looks
+    like through this model's VAE (a VAE with a colour cast shifts it), the colour the LoRA's output should reach.
+    """
+    path = work_dir / "latents.pt"
+    if path.exists():
+        return torch.load(path, map_location="cpu")
+    vae = pipe.diffusers_pipeline.vae
+    videos, prompt_index = styled_clips(num_clips, num_frames, size, seed)
+    latents = lora_training.normalised_latents(vae, videos)
+    decoded = vae.decode(vae.encode(videos[:4]).latent_dist.mode()).sample  # (4, 3, F, H, W) in [-1, 1]
+    frames = ((decoded.permute(0, 2, 3, 4, 1).clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy()
+    data = {"latents": latents, "prompt_index": prompt_index,
+            "target_background": lora_eval.background_colour(list(frames)).tolist()}
+    work_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(data, str(path) + ".tmp")
+    os.replace(str(path) + ".tmp", path)
+    return data
+
+
+def evaluate_style(pipe, lora_path: Path, target: list[float], num_prompts: int, seed: int = 0, **call) -> dict:
+    """Background colour and adherence at LoRA weight 0.0 and 1.0 on held-out prompts (see module docstring)."""
+    prompts = lora_eval.held_out_prompts(num_prompts)
+    pipe.load_lora(lora_path, adapter_name="style", weight=0.0)
+    result: dict = {"target_background": target}
+    for weight in (0.0, 1.0):
+        pipe.set_lora_weights({"style": weight})
+        clips = lora_eval.render(pipe, prompts, seed, **call)
+        background = lora_eval.background_colour(clips)
+        result[f"weight_{weight:g}"] = {"background": background.round(4).tolist(),
+                                        "distance_to_target": float(np.linalg.norm(background - target)),
+                                        **lora_eval.adherence(clips, prompts)}
+    pipe.unload_lora("style")
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="pipeline folder to train on (the final embedded model: a build output)")
+    parser.add_argument("--work-dir", default="build/demo_model/style_lora", help="checkpoint, data and log folder")
+    parser.add_argument("--out", default="build/demo_model/style_lora/style_light_grey.safetensors",
+                        help="where the trained LoRA goes (.safetensors)")
+    parser.add_argument("--num-clips", type=int, default=512, help="procedural styled clips encoded for training")
+    parser.add_argument("--steps", type=int, default=400, help="total optimiser steps")
+    parser.add_argument("--batch-size", type=int, default=8, help="clips per step")
+    parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of data, LoRA init and batches")
+    parser.add_argument("--num-frames", type=int, default=None, help="clip frames (default: the model's)")
+    parser.add_argument("--size", type=int, default=None, help="clip height and width (default: the model's)")
+    parser.add_argument("--eval-prompts", type=int, default=24,
+                        help="held-out prompts rendered by the evaluation (0: no evaluation)")
+    parser.add_argument("--eval-steps", type=int, default=None, help="denoising steps of the evaluation clips")
+    args = parser.parse_args(argv)
+
+    work_dir = Path(args.work_dir)
+    pipe = lora_training.load_pipeline(args.model)
+    frames, size = args.num_frames or pipe.default("num_frames"), args.size or pipe.default("height")
+    data = encoded_data(pipe, work_dir, args.num_clips, frames, size, args.seed)
+    embeds, prompts = prompt_table(pipe.diffusers_pipeline)
+    transformer = pipe.diffusers_pipeline.transformer
+    params = lora_training.add_trainable_lora(transformer, args.rank, args.seed)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    run = ResumableRun(work_dir, transformer, optimizer)
+    transformer.train()
+    while run.step < args.steps:
+        run.set_learning_rate(args.lr, args.steps, warmup_steps=min(50, max(args.steps // 10, 1)))
+        generator = run.generator(args.seed)
+        index = torch.randint(len(data["latents"]), (args.batch_size,), generator=generator)
+        x0, text = data["latents"][index], data["prompt_index"][index].clone()
+        text[torch.rand(args.batch_size, generator=generator) < 0.1] = len(prompts) - 1
+        sigma = shifted_sigmas(args.batch_size, pipe.diffusers_pipeline.scheduler.config.shift, generator)
+        noise = torch.randn(x0.shape, generator=generator)
+        xt = (1 - sigma.view(-1, 1, 1, 1, 1)) * x0 + sigma.view(-1, 1, 1, 1, 1) * noise
+        pred = lora_training.predict_velocity(transformer, xt, sigma, embeds[text])
+        loss = (pred - (noise - x0)).square().mean()
+        run.optimizer_step(loss)
+        if run.step % 25 == 0 or run.step == args.steps:
+            run.log(loss=round(loss.item(), 5), lr=round(optimizer.param_groups[0]["lr"], 7))
+        run.maybe_save(force=run.step == args.steps)
+    transformer.eval()
+    out = lora_training.save_lora(transformer, args.out)
+    transformer.delete_adapters(lora_training.ADAPTER)
+    call = {"num_frames": frames, "height": size, "width": size, "num_inference_steps": args.eval_steps}
+    result = evaluate_style(pipe, out, data["target_background"], args.eval_prompts, **call) \
+        if args.eval_prompts > 0 else {}
+    (work_dir / "eval.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
