@@ -14,13 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from metainfer_gen.apps.demo_limits import DemoLimits, InputError
+from metainfer_gen.apps.demo_limits import DemoLimits, InputError, list_loras, resolve_lora
+from metainfer_gen.apps.render import use_loras
 
 ProgressFn = Callable[[int, int], None]  # (denoising steps done, total steps)
 
 TEXT_TO_VIDEO = "text-to-video"
 IMAGE_TO_VIDEO = "image-to-video"
 NUM_KEPT_CLIPS = 32  # finished clips kept in the output folder; older ones are deleted
+NO_LORA = "none"
+MAX_LORA_WEIGHT = 2.0
 
 
 def cache_choices() -> list[str]:
@@ -68,6 +71,7 @@ class DemoBackend:
         llm: a :class:`~metainfer_gen.pipelines.TextGenerationPipeline`, or None (tab hidden).
         limits: input bounds. output_dir: where clips are written (a temporary folder of the demo).
         notes: why a tab is missing, for the page and the log.
+        lora_dir: folder whose LoRA files the page offers (None: no LoRA control).
     """
 
     t2v: Any
@@ -76,6 +80,7 @@ class DemoBackend:
     output_dir: Path
     limits: DemoLimits = field(default_factory=DemoLimits)
     notes: list[str] = field(default_factory=list)
+    lora_dir: Path | None = None
 
     def __post_init__(self) -> None:
         self.output_dir = Path(self.output_dir)
@@ -115,19 +120,21 @@ class DemoBackend:
         return pipe
 
     def text_to_video(self, prompt: str, negative_prompt: str | None, num_frames, height, width,
-                      num_inference_steps, guidance_scale, seed, cache: str = "off",
-                      progress: ProgressFn | None = None) -> VideoResult:
-        """Render a clip from text. Arguments as in the pipeline; ``cache`` is a step-cache spec.
+                      num_inference_steps, guidance_scale, seed, cache: str = "off", lora: str = NO_LORA,
+                      lora_weight=1.0, progress: ProgressFn | None = None) -> VideoResult:
+        """Render a clip from text. Arguments as in the pipeline; ``cache`` is a step-cache spec; ``lora`` one of
+        :meth:`lora_choices` at ``lora_weight`` (in [-2, 2]).
 
         Raises:
-            InputError: an input outside the demo's limits or the model's rules, or an unknown cache policy.
+            InputError: an input outside the demo's limits or the model's rules, an unknown cache policy, or a
+                LoRA that is not in the folder or does not load.
         """
         return self._video(TEXT_TO_VIDEO, None, prompt, negative_prompt, num_frames, height, width,
-                           num_inference_steps, guidance_scale, seed, cache, progress)
+                           num_inference_steps, guidance_scale, seed, cache, progress, lora, lora_weight)
 
     def image_to_video(self, image, prompt: str, negative_prompt: str | None, num_frames, height, width,
-                       num_inference_steps, guidance_scale, seed, cache: str = "off",
-                       progress: ProgressFn | None = None) -> VideoResult:
+                       num_inference_steps, guidance_scale, seed, cache: str = "off", lora: str = NO_LORA,
+                       lora_weight=1.0, progress: ProgressFn | None = None) -> VideoResult:
         """Render a clip whose first frame is ``image`` (a PIL image of any mode and size, fitted to the grid).
 
         Raises:
@@ -135,10 +142,27 @@ class DemoBackend:
         """
         self.limits.check_image(image)
         return self._video(IMAGE_TO_VIDEO, image, prompt, negative_prompt, num_frames, height, width,
-                           num_inference_steps, guidance_scale, seed, cache, progress)
+                           num_inference_steps, guidance_scale, seed, cache, progress, lora, lora_weight)
+
+    def lora_choices(self) -> list[str]:
+        """``["none", <LoRA files in lora_dir>...]``; empty when there is no folder or no file (no control)."""
+        names = list_loras(self.lora_dir)
+        return [NO_LORA, *names] if names else []
+
+    def _lora_specs(self, name: str, weight) -> list[tuple[str, float]]:
+        """The ``(file, weight)`` to activate for a request (checked: a listed file, a weight in [-2, 2])."""
+        if name in (None, "", NO_LORA):
+            return []
+        if self.lora_dir is None:
+            raise InputError("this demo offers no LoRAs")
+        path = resolve_lora(self.lora_dir, name)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not abs(weight) <= MAX_LORA_WEIGHT:
+            raise InputError(f"LoRA weight must be a number in [-{MAX_LORA_WEIGHT:g}, {MAX_LORA_WEIGHT:g}]; "
+                             f"got {weight!r}")
+        return [(str(path), float(weight))]
 
     def _video(self, task, image, prompt, negative_prompt, num_frames, height, width, num_inference_steps,
-               guidance_scale, seed, cache, progress) -> VideoResult:
+               guidance_scale, seed, cache, progress, lora=NO_LORA, lora_weight=1.0) -> VideoResult:
         pipe = self.video_pipeline(task)
         prompt = self.limits.check_prompt(prompt)
         negative_prompt = self.limits.check_prompt(negative_prompt, "negative prompt", required=False) or None
@@ -148,6 +172,7 @@ class DemoBackend:
         if cache not in cache_choices():
             raise InputError(f"unknown cache policy {cache!r}; choose one of {cache_choices()}")
         seed = values.pop("seed")
+        loras = self._lora_specs(lora, lora_weight)
         try:
             pipe.resolve(prompt=prompt, **values)  # the model's own rules, before taking the lock
         except (ValueError, TypeError) as exc:
@@ -162,11 +187,16 @@ class DemoBackend:
             kwargs["callback_on_step_end"] = on_step_end
         with self._video_lock:
             self._use_cache(task, cache)
+            try:
+                use_loras(pipe, loras)  # hot swap on the loaded model; loaded files stay for later requests
+            except (ValueError, TypeError, FileNotFoundError) as exc:
+                raise InputError(f"LoRA {lora!r} cannot be used: {exc}") from None
             args = (image, prompt) if image is not None else (prompt,)
             output = pipe(*args, negative_prompt=negative_prompt, seed=seed, **values, **kwargs)
             audit = pipe.last_audit
         path = self._keep(output, task)
-        key = (task, values["num_frames"], values["height"], values["width"], steps, values["guidance_scale"])
+        key = (task, values["num_frames"], values["height"], values["width"], steps, values["guidance_scale"],
+               tuple(loras))
         image_text = ""
         if image is not None:
             fitted = output.settings.get("image_size") or [values["width"], values["height"]]

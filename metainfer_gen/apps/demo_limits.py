@@ -130,8 +130,8 @@ def _whole(name: str, value: object) -> int:
 def list_loras(folder: str | Path | None) -> list[str]:
     """Names (paths relative to ``folder``, sorted) of the LoRA weight files the demo may offer.
 
-    The seam for the LoRA issue: the demo shows a LoRA choice only once pipelines can load LoRAs, and then only
-    these names. Files reached through a link that leaves the folder are not listed.
+    The demo's LoRA control (``metainfer-gen demo --lora-dir``) offers these names and nothing else. Files
+    reached through a link that leaves the folder are not listed.
 
     Raises:
         FileNotFoundError: ``folder`` is given but is not a directory.

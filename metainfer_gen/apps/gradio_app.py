@@ -80,6 +80,13 @@ def _video_tab(backend: DemoBackend, task: str) -> None:
                 cache = gr.Dropdown(cache_choices(), value=DEFAULT_CACHE, label="Step cache",
                                     info="auto, quality, fast: ours; the others: baselines",
                                     elem_id=f"{prefix}-cache")
+            loras = []
+            if backend.lora_choices():  # a control only when there is a LoRA to choose
+                with gr.Row():
+                    loras = [gr.Dropdown(backend.lora_choices(), value=backend.lora_choices()[0], label="LoRA",
+                                         elem_id=f"{prefix}-lora"),
+                             gr.Slider(-2, 2, step=0.05, value=1.0, label="LoRA weight",
+                                       elem_id=f"{prefix}-lora-weight")]
             button = gr.Button("Generate", variant="primary", elem_id=f"{prefix}-generate")
         with gr.Column():
             video = gr.Video(label="Clip (H.264 MP4)", format="mp4", autoplay=True, loop=True, interactive=False,
@@ -102,7 +109,7 @@ def _video_tab(backend: DemoBackend, task: str) -> None:
 
     run.__name__ = prefix.replace("-", "_") + "_generate"
     inputs = ([image] if image is not None else []) + [prompt, negative, frames, height, width, steps, guidance,
-                                                        seed, cache]
+                                                        seed, cache, *loras]
     button.click(_errors_to_page(run), inputs, [video, image_info, stats, audit], concurrency_id="video",
                  concurrency_limit=CONCURRENCY["video"], api_name=f"{prefix}_generate")
 
@@ -120,6 +127,13 @@ def _llm_tab(backend: DemoBackend) -> None:
                                    label="Max new tokens", elem_id=f"{prefix}-max-new-tokens")
                 temperature = gr.Slider(0.0, 2.0, step=0.05, value=0.0, label="Temperature (0 = greedy)",
                                         elem_id=f"{prefix}-temperature")
+            loras = []
+            if backend.lora_choices():  # a control only when there is a LoRA to choose
+                with gr.Row():
+                    loras = [gr.Dropdown(backend.lora_choices(), value=backend.lora_choices()[0], label="LoRA",
+                                         elem_id=f"{prefix}-lora"),
+                             gr.Slider(-2, 2, step=0.05, value=1.0, label="LoRA weight",
+                                       elem_id=f"{prefix}-lora-weight")]
             button = gr.Button("Generate", variant="primary", elem_id=f"{prefix}-generate")
         with gr.Column():
             text = gr.Textbox(label="Completion", lines=8, interactive=False, elem_id=f"{prefix}-text")

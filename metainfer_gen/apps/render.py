@@ -1,11 +1,12 @@
 """Batch rendering from a prompt file, with a manifest, atomic clips and resume.
 
 The prompt file holds one job per line: a JSON object (``{"prompt": ..., "seed": 3, "num_frames": 17,
-"image": "ref.png", "name": "intro", "lora": ["style.safetensors:0.8"]}``) or plain text (the prompt). Blank lines and lines starting with ``#`` are
-skipped. Each job gets a stable id from its content, so rerunning the same command skips every clip already
-finished (file present and recorded in the manifest) and retries the rest; a bad line or a failing clip is
-recorded with its error and the batch goes on. ``manifest.jsonl`` holds one line per job, rewritten atomically
-after each job, in prompt-file order.
+"image": "ref.png", "name": "intro", "lora": ["style.safetensors:0.8"]}``) or plain text (the prompt). Blank
+lines and lines starting with ``#`` are skipped. Each job gets a stable id from its content, so rerunning the
+same command skips every clip already finished (file present and recorded in the manifest) and retries the rest;
+a bad line or a failing clip is recorded with its error and the batch goes on. ``manifest.jsonl`` holds one
+line per job, rewritten atomically after each job, in prompt-file order. A line's ``lora`` (or the CLI's
+``--lora``) LoRAs are swapped in per job on the one loaded model, and recorded with the job.
 """
 
 from __future__ import annotations

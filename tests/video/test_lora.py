@@ -77,7 +77,8 @@ def test_partial_and_extra_key_loras_load_with_a_report(fresh_t2v):
     assert "missing" in report.skipped["diffusion_model.blocks.1.ffn.2.lora_down.weight"]
     assert "does not fit" in report.skipped["diffusion_model.blocks.0.self_attn.k.lora_up.weight"]
     assert f"{len(extra)} of {len(state) + len(extra)} keys skipped" in report.summary()
-    adapted = {n.removesuffix(".lora_A.partial") for n, _ in transformer.named_modules() if n.endswith("lora_A.partial")}
+    adapted = {n.removesuffix(".lora_A.partial") for n, _ in transformer.named_modules()
+               if n.endswith("lora_A.partial")}
     assert adapted == set(partial)
     fresh_t2v(PROMPT, **CALL)  # and it runs
 

@@ -9,7 +9,9 @@ the base model). The saved file holds ``transformer.<module>.lora_A/lora_B.weigh
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -69,3 +71,48 @@ def predict_velocity(transformer, latents: torch.Tensor, sigma: torch.Tensor, em
     tokens = frames * (height // patch_h) * (width // patch_w)
     timestep = (sigma.view(-1, 1) * 1000).expand(-1, tokens)
     return transformer(latents, timestep, embeds, return_dict=False)[0]
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str, steps: int, rank: int, lr: float) -> None:
+    """The arguments both scripts take: the pipeline folder, work folder, output, optimisation and clip size."""
+    parser.add_argument("model", help="pipeline folder to train on (the final embedded model: a build output)")
+    parser.add_argument("--work-dir", default=f"build/demo_model/{name}", help="checkpoint, data and log folder")
+    parser.add_argument("--out", default=f"build/demo_model/{name}/{name}.safetensors",
+                        help="where the trained LoRA goes (.safetensors)")
+    parser.add_argument("--steps", type=int, default=steps, help="total optimiser steps")
+    parser.add_argument("--batch-size", type=int, default=8, help="training examples per step")
+    parser.add_argument("--rank", type=int, default=rank, help="LoRA rank")
+    parser.add_argument("--lr", type=float, default=lr, help="peak AdamW learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of data, LoRA init and batches")
+    parser.add_argument("--num-frames", type=int, default=None, help="clip frames (default: the model's)")
+    parser.add_argument("--size", type=int, default=None, help="clip height and width (default: the model's)")
+    parser.add_argument("--eval-prompts", type=int, default=24,
+                        help="held-out prompts rendered by the evaluation (0: no evaluation)")
+
+
+def train(pipe, args: argparse.Namespace, batch_loss: Callable[[torch.nn.Module, torch.Generator], tuple]) -> Path:
+    """Train a LoRA on ``pipe``'s transformer and save it to ``args.out``; resumable in ``args.work_dir``.
+
+    ``batch_loss(transformer, generator)`` draws one batch from the step's generator (seeded by seed and step, so
+    a resumed run sees the batches an uninterrupted one would) and returns ``(loss, {extra log values})``.
+    AdamW on the LoRA parameters only, warm-up then cosine decay (``training.learning_rate``). The adapter is
+    removed from the transformer afterwards, so ``pipe`` is the base model again.
+    """
+    from metainfer_gen.training import ResumableRun
+
+    transformer = pipe.diffusers_pipeline.transformer
+    params = add_trainable_lora(transformer, args.rank, args.seed)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    run = ResumableRun(args.work_dir, transformer, optimizer)
+    transformer.train()
+    while run.step < args.steps:
+        run.set_learning_rate(args.lr, args.steps, warmup_steps=min(50, max(args.steps // 10, 1)))
+        loss, extra = batch_loss(transformer, run.generator(args.seed))
+        run.optimizer_step(loss)
+        if run.step % 25 == 0 or run.step == args.steps:
+            run.log(loss=round(loss.item(), 5), lr=round(optimizer.param_groups[0]["lr"], 7), **extra)
+        run.maybe_save(force=run.step == args.steps)
+    transformer.eval()
+    out = save_lora(transformer, args.out)
+    transformer.delete_adapters(ADAPTER)
+    return out

@@ -9,7 +9,7 @@ teacher's latent at ``s_a`` on the teacher's latent at ``s_b``: ``v* = (x(s_b) -
 guidance (2 calls per step) and steps are distilled: 30 guided steps (60 calls) become 4-8 calls.
 
     OMP_NUM_THREADS=2 python -m metainfer_gen.video.demo_model.train_step_lora build/demo_model/pipeline \
-        --work-dir build/demo_model/step_lora --out metainfer_gen/assets/loras/steps_4_8.safetensors
+        --work-dir build/demo_model/step_lora --out build/demo_model/step_lora/step_lora.safetensors
 
 Resumable: teacher trajectories are written in atomic shards (``work_dir/teacher/``), training state by
 ``ResumableRun``. The end of the run writes the LoRA and ``work_dir/eval.json`` (adherence of the teacher and of
@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from metainfer_gen.training import ResumableRun
 from metainfer_gen.video.demo_model import lora_eval, lora_training
 from metainfer_gen.video.demo_model.train_transformer import prompt_table
 
@@ -106,23 +105,11 @@ def evaluate_steps(pipe, lora_path: Path, args, student_steps: list[int]) -> dic
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="pipeline folder to distil (the final embedded model: a build output)")
-    parser.add_argument("--work-dir", default="build/demo_model/step_lora", help="checkpoint, data and log folder")
-    parser.add_argument("--out", default="build/demo_model/step_lora/steps_4_8.safetensors",
-                        help="where the trained LoRA goes (.safetensors)")
+    lora_training.add_arguments(parser, "step_lora", steps=600, rank=16, lr=5e-4)
     parser.add_argument("--teacher-steps", type=int, default=30, help="denoising steps of the teacher")
     parser.add_argument("--student-steps", default="4,6,8", help="comma-separated step counts the LoRA serves")
     parser.add_argument("--guidance", type=float, default=None, help="teacher guidance (default: the model's)")
     parser.add_argument("--num-prompts", type=int, default=128, help="teacher trajectories (rounded up to 16s)")
-    parser.add_argument("--steps", type=int, default=600, help="total optimiser steps")
-    parser.add_argument("--batch-size", type=int, default=8, help="segments per step")
-    parser.add_argument("--rank", type=int, default=16, help="LoRA rank")
-    parser.add_argument("--lr", type=float, default=5e-4, help="peak AdamW learning rate")
-    parser.add_argument("--seed", type=int, default=0, help="seed of prompts, noise, LoRA init and batches")
-    parser.add_argument("--num-frames", type=int, default=None, help="clip frames (default: the model's)")
-    parser.add_argument("--size", type=int, default=None, help="clip height and width (default: the model's)")
-    parser.add_argument("--eval-prompts", type=int, default=24,
-                        help="held-out prompts rendered by the evaluation (0: no evaluation)")
     args = parser.parse_args(argv)
 
     work_dir = Path(args.work_dir)
@@ -132,15 +119,9 @@ def main(argv: list[str] | None = None) -> dict:
     student_steps = [int(k) for k in args.student_steps.split(",")]
     data = teacher_shards(pipe, work_dir, args, args.num_prompts, student_steps)
     embeds, _ = prompt_table(pipe.diffusers_pipeline)
-    transformer = pipe.diffusers_pipeline.transformer
-    params = lora_training.add_trainable_lora(transformer, args.rank, args.seed)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    run = ResumableRun(work_dir, transformer, optimizer)
     sigmas = {k: schedule(pipe.diffusers_pipeline, k) for k in student_steps}
-    transformer.train()
-    while run.step < args.steps:
-        run.set_learning_rate(args.lr, args.steps, warmup_steps=min(50, max(args.steps // 10, 1)))
-        generator = run.generator(args.seed)
+
+    def batch_loss(transformer, generator):
         k = student_steps[int(torch.randint(len(student_steps), (), generator=generator))]
         clip = torch.randint(len(data["prompt_index"]), (args.batch_size,), generator=generator)
         segment = torch.randint(k, (args.batch_size,), generator=generator)
@@ -148,14 +129,9 @@ def main(argv: list[str] | None = None) -> dict:
         s_a, s_b = sigmas[k][segment], sigmas[k][segment + 1]
         target = (x_b - x_a) / (s_b - s_a).view(-1, 1, 1, 1, 1)
         pred = lora_training.predict_velocity(transformer, x_a, s_a, embeds[data["prompt_index"][clip]])
-        loss = (pred - target).square().mean()
-        run.optimizer_step(loss)
-        if run.step % 25 == 0 or run.step == args.steps:
-            run.log(loss=round(loss.item(), 5), steps=k, lr=round(optimizer.param_groups[0]["lr"], 7))
-        run.maybe_save(force=run.step == args.steps)
-    transformer.eval()
-    out = lora_training.save_lora(transformer, args.out)
-    transformer.delete_adapters(lora_training.ADAPTER)
+        return (pred - target).square().mean(), {"steps": k}
+
+    out = lora_training.train(pipe, args, batch_loss)
     result = evaluate_steps(pipe, out, args, student_steps) if args.eval_prompts > 0 else {}
     (work_dir / "eval.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result), flush=True)

@@ -5,7 +5,7 @@ weight 1.0 and stays where the base model puts it at weight 0.0, while prompt ad
 kept. Run on a pipeline folder (resumable: rerun the same command after a stop)::
 
     OMP_NUM_THREADS=2 python -m metainfer_gen.video.demo_model.train_style_lora build/demo_model/pipeline \
-        --work-dir build/demo_model/style_lora --out metainfer_gen/assets/loras/style_light_grey.safetensors
+        --work-dir build/demo_model/style_lora --out build/demo_model/style_lora/style_lora.safetensors
 
 Objective: rectified flow exactly as ``train_transformer`` (shifted uniform noise levels, the model predicts
 ``noise - x0``, one prompt in ten dropped for guidance), text-to-video clips only, on the LoRA parameters only.
@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from metainfer_gen.training import ResumableRun
 from metainfer_gen.video.demo_model import lora_eval, lora_training
 from metainfer_gen.video.demo_model.data import TEMPLATES, render_clip, sample_spec, training_combinations
 from metainfer_gen.video.demo_model.train_transformer import prompt_table, shifted_sigmas
@@ -87,20 +86,8 @@ def evaluate_style(pipe, lora_path: Path, target: list[float], num_prompts: int,
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="pipeline folder to train on (the final embedded model: a build output)")
-    parser.add_argument("--work-dir", default="build/demo_model/style_lora", help="checkpoint, data and log folder")
-    parser.add_argument("--out", default="build/demo_model/style_lora/style_light_grey.safetensors",
-                        help="where the trained LoRA goes (.safetensors)")
+    lora_training.add_arguments(parser, "style_lora", steps=400, rank=8, lr=1e-3)
     parser.add_argument("--num-clips", type=int, default=512, help="procedural styled clips encoded for training")
-    parser.add_argument("--steps", type=int, default=400, help="total optimiser steps")
-    parser.add_argument("--batch-size", type=int, default=8, help="clips per step")
-    parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
-    parser.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
-    parser.add_argument("--seed", type=int, default=0, help="seed of data, LoRA init and batches")
-    parser.add_argument("--num-frames", type=int, default=None, help="clip frames (default: the model's)")
-    parser.add_argument("--size", type=int, default=None, help="clip height and width (default: the model's)")
-    parser.add_argument("--eval-prompts", type=int, default=24,
-                        help="held-out prompts rendered by the evaluation (0: no evaluation)")
     parser.add_argument("--eval-steps", type=int, default=None, help="denoising steps of the evaluation clips")
     args = parser.parse_args(argv)
 
@@ -109,29 +96,19 @@ def main(argv: list[str] | None = None) -> dict:
     frames, size = args.num_frames or pipe.default("num_frames"), args.size or pipe.default("height")
     data = encoded_data(pipe, work_dir, args.num_clips, frames, size, args.seed)
     embeds, prompts = prompt_table(pipe.diffusers_pipeline)
-    transformer = pipe.diffusers_pipeline.transformer
-    params = lora_training.add_trainable_lora(transformer, args.rank, args.seed)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    run = ResumableRun(work_dir, transformer, optimizer)
-    transformer.train()
-    while run.step < args.steps:
-        run.set_learning_rate(args.lr, args.steps, warmup_steps=min(50, max(args.steps // 10, 1)))
-        generator = run.generator(args.seed)
+    shift = pipe.diffusers_pipeline.scheduler.config.shift
+
+    def batch_loss(transformer, generator):
         index = torch.randint(len(data["latents"]), (args.batch_size,), generator=generator)
         x0, text = data["latents"][index], data["prompt_index"][index].clone()
         text[torch.rand(args.batch_size, generator=generator) < 0.1] = len(prompts) - 1
-        sigma = shifted_sigmas(args.batch_size, pipe.diffusers_pipeline.scheduler.config.shift, generator)
+        sigma = shifted_sigmas(args.batch_size, shift, generator)
         noise = torch.randn(x0.shape, generator=generator)
         xt = (1 - sigma.view(-1, 1, 1, 1, 1)) * x0 + sigma.view(-1, 1, 1, 1, 1) * noise
         pred = lora_training.predict_velocity(transformer, xt, sigma, embeds[text])
-        loss = (pred - (noise - x0)).square().mean()
-        run.optimizer_step(loss)
-        if run.step % 25 == 0 or run.step == args.steps:
-            run.log(loss=round(loss.item(), 5), lr=round(optimizer.param_groups[0]["lr"], 7))
-        run.maybe_save(force=run.step == args.steps)
-    transformer.eval()
-    out = lora_training.save_lora(transformer, args.out)
-    transformer.delete_adapters(lora_training.ADAPTER)
+        return (pred - (noise - x0)).square().mean(), {}
+
+    out = lora_training.train(pipe, args, batch_loss)
     call = {"num_frames": frames, "height": size, "width": size, "num_inference_steps": args.eval_steps}
     result = evaluate_style(pipe, out, data["target_background"], args.eval_prompts, **call) \
         if args.eval_prompts > 0 else {}
