@@ -127,13 +127,6 @@ def _llm_tab(backend: DemoBackend) -> None:
                                    label="Max new tokens", elem_id=f"{prefix}-max-new-tokens")
                 temperature = gr.Slider(0.0, 2.0, step=0.05, value=0.0, label="Temperature (0 = greedy)",
                                         elem_id=f"{prefix}-temperature")
-            loras = []
-            if backend.lora_choices():  # a control only when there is a LoRA to choose
-                with gr.Row():
-                    loras = [gr.Dropdown(backend.lora_choices(), value=backend.lora_choices()[0], label="LoRA",
-                                         elem_id=f"{prefix}-lora"),
-                             gr.Slider(-2, 2, step=0.05, value=1.0, label="LoRA weight",
-                                       elem_id=f"{prefix}-lora-weight")]
             button = gr.Button("Generate", variant="primary", elem_id=f"{prefix}-generate")
         with gr.Column():
             text = gr.Textbox(label="Completion", lines=8, interactive=False, elem_id=f"{prefix}-text")
