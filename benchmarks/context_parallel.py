@@ -1,0 +1,55 @@
+"""Long-prompt prefill with context parallelism: CP=2 (two CPU ranks, gloo ring) vs CP=1, same code and model.
+
+    OMP_NUM_THREADS=1 python benchmarks/context_parallel.py                 # 16K-token prompt
+    OMP_NUM_THREADS=1 python benchmarks/context_parallel.py --tokens 4096   # shorter
+
+Prints prefill tokens/s for CP=1 and CP=2, the ratio, each rank's share of the prompt, and whether the greedy
+tokens after the prefill (decoded from the paged decode layout) are equal. Both runs use the tiled online-softmax
+attention of ``metainfer_gen.llm.context_parallel`` (the engine's reference attention would materialise
+heads x 16K x 16K float32 scores). Each rank is one process with one thread: on a machine with fewer free cores
+than ranks, CP=2 competes with itself and shows no speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=16384, help="prompt length (default 16384)")
+    parser.add_argument("--new-tokens", type=int, default=4, help="greedy tokens decoded after (default 4)")
+    parser.add_argument("--tile", type=int, default=1024, help="queries per score tile (default 1024)")
+    args = parser.parse_args()
+
+    import torch
+    from tests.collectives.harness import run_ranks
+    from tests.llm.checkpoints import make_hf_model, random_prompts
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "ckpt"
+        make_hf_model("moe").save_pretrained(path)  # rotary tables are sized by the worker
+        prompt = random_prompts(1, 160, (args.tokens,), seed=0)[0]
+        kw = dict(path=str(path), prompt=prompt, max_new_tokens=args.new_tokens, tile=args.tile)
+        rows = {}
+        for world in (1, 2):
+            out = run_ranks("tests.llm.cp_workers:cp_prefill_decode", Path(tmp), world=world, timeout_s=3000, **kw)
+            rows[world] = (max(o["seconds"] for o in out.values()), [o["shard"] for o in out.values()],
+                           out[0]["tokens"])
+    base = rows[1][0]
+    print(f"prefill of {args.tokens} tokens, tiny random DeepSeek-V3 ('moe' test shape), float32, "
+          f"{torch.get_num_threads()} thread(s) per rank")
+    print("| CP | seconds | prefill tokens/s | vs CP=1 | tokens per rank | greedy tokens equal CP=1 |")
+    print("|---|---|---|---|---|---|")
+    for world, (sec, shards, tokens) in rows.items():
+        print(f"| {world} | {sec:.2f} | {args.tokens / sec:.0f} | {base / sec:.2f}x | {shards} | "
+              f"{tokens == rows[1][2]} |")
+
+
+if __name__ == "__main__":
+    main()
