@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work-dir", default="build/demo_model/transformer", help="checkpoint and log folder")
     parser.add_argument("--out-dir", default="build/demo_model/pipeline", help="where the assembled pipeline goes")
     parser.add_argument("--num-clips", type=int, default=2048, help="procedural clips encoded for training")
-    parser.add_argument("--steps", type=int, default=700, help="total optimiser steps")
+    parser.add_argument("--steps", type=int, default=1800, help="total optimiser steps")
     parser.add_argument("--batch-size", type=int, default=16, help="clips per step")
     parser.add_argument("--lr", type=float, default=5e-4, help="peak AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and batches")

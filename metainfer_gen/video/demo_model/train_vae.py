@@ -125,9 +125,9 @@ def phase(step: int, args: argparse.Namespace) -> tuple[int, int, int]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", default="build/demo_model/vae", help="checkpoint and log folder")
-    parser.add_argument("--steps", type=int, default=2200, help="total optimiser steps")
-    parser.add_argument("--image-steps", type=int, default=800, help="first steps on single frames")
-    parser.add_argument("--full-size-steps", type=int, default=150, help="final steps on full 64x64 clips")
+    parser.add_argument("--steps", type=int, default=1500, help="total optimiser steps (the schedule's length)")
+    parser.add_argument("--image-steps", type=int, default=700, help="first steps on single frames")
+    parser.add_argument("--full-size-steps", type=int, default=100, help="final steps on full 64x64 clips")
     parser.add_argument("--batch-size", type=int, default=4, help="clips per step")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
     parser.add_argument("--kl-weight", type=float, default=1e-4, help="weight of the mean per-element KL term")
@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-every", type=int, default=250, help="steps between held-out PSNR checks")
     parser.add_argument("--init-from", default=None,
                         help="start a new run (fresh optimiser and schedule) from a saved VAE folder; a stage-2 run")
+    parser.add_argument("--stop-at", type=int, default=1250,
+                        help="save `final` and stop at this step, before --steps (the shipped weights are step 1250)")
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -147,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     run = ResumableRun(args.work_dir, vae, optimizer)
     vae.train()
     identity_marker = run.work_dir / "temporal_identity_init.done"
-    while run.step < args.steps:
+    last_step = min(args.steps, args.stop_at or args.steps)
+    while run.step < last_step:
         run.set_learning_rate(args.lr, args.steps, warmup_steps=100)
         generator = run.generator(args.seed)
         num_frames, batch, crop_size = phase(run.step, args)
@@ -167,9 +170,9 @@ def main(argv: list[str] | None = None) -> None:
         if run.step % 25 == 0:
             run.log(loss=round(loss.item(), 5), rec=round(rec.item(), 5), kl=round(kl.item(), 3),
                     train_psnr=round(psnr(recon.detach(), videos), 2))
-        if run.step % args.eval_every == 0 or run.step == args.steps:
+        if run.step % args.eval_every == 0 or run.step == last_step:
             run.log(heldout_psnr=round(evaluate(vae), 2))
-        run.maybe_save(force=run.step == args.steps)
+        run.maybe_save(force=run.step == last_step)
     vae.save_pretrained(run.work_dir / "final")
     print(f"saved {run.work_dir / 'final'}", flush=True)
 
