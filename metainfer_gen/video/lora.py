@@ -104,6 +104,12 @@ def lora_state(model: torch.nn.Module) -> Any:
     return getattr(model, LORA_STATE_ATTR, None)
 
 
+def lora_active(model: torch.nn.Module) -> bool:
+    """True when adapters change ``model``'s output: fused, or enabled with a weight other than 0."""
+    state = lora_state(model)
+    return state is not None and (state[2] or (state[1] and any(w != 0 for _, w in state[0])))
+
+
 class LoraSet:
     """The LoRA adapters of one diffusers pipeline (shared by our pipelines made with ``from_pipe``).
 

@@ -172,3 +172,24 @@ def test_magcache_recalibrates_after_a_lora_change(fresh_t2v):
     _load_lora(fresh_t2v)
     assert "calibration" in render(fresh_t2v).stats.cache  # ratios of the base model no longer apply
     assert "calibration" not in render(fresh_t2v).stats.cache
+
+
+def test_a_stored_calibration_serves_the_base_weights_only(tiny_wan_dir, tmp_path):
+    """``step_cache_calibration.json`` describes the base model: with a LoRA active the ratios are fitted online."""
+    import shutil
+
+    from metainfer_gen.pipelines import TextToVideoPipeline
+    from metainfer_gen.video.cache.calibration import Calibration, Curve
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_wan_dir, model)
+    curve = Curve("WanTransformer3DModel", (0.1, 0.9), (1.0, 1.0), (None, None))
+    path = Calibration("input", 8, 1, {"transformer": curve}).save(model)
+    pipe = TextToVideoPipeline.from_pretrained(model, device="cpu")
+    pipe.set_progress_bar_config(disable=True)
+    pipe.enable_step_cache("auto=1000")
+    assert render(pipe).stats.cache["ratios"] == str(path)
+    _load_lora(pipe)
+    assert render(pipe).stats.cache["ratios"].startswith("online (a LoRA is active")
+    pipe.set_lora_weights({"lora1": 0.0})  # inactive: the base weights again
+    assert render(pipe).stats.cache["ratios"] == str(path)

@@ -52,17 +52,23 @@ class StepCachePolicy(CachePolicy):
     With ``find_calibration`` (the named presets), a ``step_cache_calibration.json`` beside the model
     (``metainfer-gen calibrate``) supplies the signal-to-error ratios when the config has none and the file was
     measured on the same transformer classes; otherwise the ratios are fitted online. ``self.ratios`` says which.
+    The file describes the base weights: while a LoRA is active the ratios are fitted online instead (the hooks
+    are re-applied when the LoRA state changes).
     """
 
     def __init__(self, config: StepCacheConfig, name: str = "auto", find_calibration: bool = False):
         self.config, self.name, self.find_calibration = config, name, find_calibration
         self.ratios = "online"
+        self.applied_for: tuple | None = None  # lora_state of the denoisers when the hooks were applied
 
     def apply(self, pipe) -> None:
         from metainfer_gen.video.cache.apply import apply_step_cache
         from metainfer_gen.video.cache.state import CallTracker
 
+        from metainfer_gen.video.lora import lora_state
+
         config = self._with_calibration(pipe)
+        self.applied_for = tuple(lora_state(model) for _, model in denoisers(pipe))
         tracker = CallTracker(policy=self.name)
         tracker.current.policy = self.name
         for attribute, model in denoisers(pipe):
@@ -72,15 +78,22 @@ class StepCachePolicy(CachePolicy):
         from dataclasses import replace
 
         from metainfer_gen.video.cache import calibration
+        from metainfer_gen.video.lora import lora_active
 
         config = self.config
         if config.calibration is None and self.find_calibration:
             path = calibration.beside_model(pipe)
+            if any(lora_active(model) for _, model in denoisers(pipe)):
+                path = None  # measured on the base weights; a LoRA changes the curve (a step LoRA: entirely)
+                self.ratios = "online (a LoRA is active: the stored calibration describes the base weights)"
             if path is not None and path.is_file():
                 found = calibration.load(path)
                 if found.matches(dict(denoisers(pipe))) is None:
                     config = replace(config, signal=found.signal, calibration=found)
-        self.ratios = config.calibration.source or "given" if config.calibration is not None else "online"
+        if config.calibration is not None:
+            self.ratios = config.calibration.source or "given"
+        elif not self.ratios.startswith("online ("):
+            self.ratios = "online"
         return config
 
     def remove(self, pipe) -> None:
@@ -98,9 +111,13 @@ class StepCachePolicy(CachePolicy):
 
         scheduler = getattr(pipe, "scheduler", None)
         models = [model for _, model in denoisers(pipe)]
+        adapters = tuple(lora_state(m) for m in models)
+        if self.find_calibration and adapters != self.applied_for:
+            self.remove(pipe)  # the LoRA state decides between the stored calibration and online ratios
+            self.apply(pipe)
         # A new step count, scheduler or LoRA state (adapters, weights, fused) is a new plan: nothing carries over.
         plan = (num_inference_steps, type(scheduler).__name__,
-                repr(sorted(dict(getattr(scheduler, "config", {})).items())), tuple(lora_state(m) for m in models))
+                repr(sorted(dict(getattr(scheduler, "config", {})).items())), adapters)
         for model in models:
             begin_step_cache_call(model, num_inference_steps, plan)
         report: dict[str, Any] = {"policy": self.name}
