@@ -1,15 +1,20 @@
 """Step-cache benchmark: no cache vs the public caches vs ours, one table from one run.
 
-    python benchmarks/step_cache.py       # embedded model: 50 steps, 8 prompts, T2V + I2V; then a larger random Wan
+    python benchmarks/step_cache.py --setups embedded   # embedded model: 50 steps, 8 prompts, T2V + I2V
+    python benchmarks/step_cache.py --setups random     # a larger random-initialised Wan (compute-bound)
     python benchmarks/step_cache.py --steps 4 --num-prompts 1 --quick   # smoke run (tiny sizes, no claim)
 
 Rows: no cache, diffusers FirstBlockCache at two thresholds, MagCache (its own calibration run first), TaylorSeer,
-cache-dit DBCache (when installed), ours at three quality settings. Columns, as means per clip: transformer block
+cache-dit DBCache (when installed), ours at three quality settings. Ours uses a calibration measured in the same
+process by ``video.cache.calibration.calibrate`` on a prompt and seed that are not among the rows' (as
+``metainfer-gen calibrate`` would store beside the model); ``--online`` fits the ratios online instead. Neither
+MagCache's nor our calibration run is timed. Columns, as means per clip: transformer block
 evaluations (counted on a Linear inside each block, so every cache is counted the same way), end-to-end seconds
 of the pipeline call, speedup against no cache, PSNR (dB) and SSIM of the decoded clip against the uncached clip
 of the same seed and prompt (identical clips count 100 dB), and the demo model's prompt adherence (colour and
-direction read back from the frames; ``-`` on the random model). Every policy gets one untimed warm-up call first
-(MagCache calibrates there).
+direction read back from the frames; ``-`` on the random model). Policies run round-robin per prompt, so machine
+load drifting over the run hits all of them alike; an untimed uncached call warms the process up first, and
+MagCache gets one untimed call more (it calibrates there).
 """
 
 from __future__ import annotations
@@ -28,7 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from metainfer_gen.video.quality import psnr, ssim  # noqa: E402
 
 POLICIES = ("off", "fbcache=0.05", "fbcache=0.1", "magcache", "taylorseer", "dbcache", "quality", "balanced", "fast")
+# Random weights change less between steps than trained ones: thresholds tuned upstream skip nothing there.
+RANDOM_POLICIES = ("off", "fbcache=0.1", "fbcache=0.2", "magcache", "taylorseer", "dbcache", "quality", "balanced",
+                   "fast")
 PSNR_CAP_DB = 100.0  # identical clips (infinite PSNR) count as 100 dB in the means
+BASELINE_PREFIXES = ("off", "fbcache", "magcache", "taylorseer", "dbcache")
 COLUMNS = ("setup", "policy", "blocks", "seconds", "speedup", "psnr_db", "ssim", "adherence")
 
 
@@ -58,7 +67,7 @@ def adherence(frames: np.ndarray, combo: tuple) -> float:
 
 
 def large_random_pipeline(device: str, dtype, num_layers: int, width: int):
-    """The embedded model's VAE and text encoder with a larger random-initialised Wan transformer."""
+    """The embedded model's VAE and text encoder with a larger random-initialised Wan transformer (heads of 64)."""
     import torch
     from diffusers import WanPipeline, WanTransformer3DModel
 
@@ -69,9 +78,10 @@ def large_random_pipeline(device: str, dtype, num_layers: int, width: int):
     base = small.diffusers_pipeline
     heads = max(width // 64, 1)
     torch.manual_seed(0)
+    channels = base.vae.config.z_dim  # whatever the embedded VAE is now (it was retrained from 16 to 48)
     random = WanTransformer3DModel(**{**configs.TRANSFORMER_CONFIG, "num_layers": num_layers,
                                       "num_attention_heads": heads, "attention_head_dim": width // heads,
-                                      "ffn_dim": 4 * width})
+                                      "ffn_dim": 4 * width, "in_channels": channels, "out_channels": channels})
     with tempfile.TemporaryDirectory() as folder:  # from_pretrained keeps Wan's float32 modules in float32
         random.save_pretrained(folder)
         transformer = WanTransformer3DModel.from_pretrained(folder, torch_dtype=dtype).to(device).eval()
@@ -80,42 +90,74 @@ def large_random_pipeline(device: str, dtype, num_layers: int, width: int):
     return TextToVideoPipeline(pipe, settings=small.settings, source="random-large")
 
 
-def run_policy(t2v, i2v, task: str, policy: str, items, call: dict, reference: dict | None, score: bool) -> dict:
-    """Render every item with ``policy`` on ``task``; return the row (means per clip) and the clips if uncached."""
-    pipe = t2v if task == "t2v" else i2v
-    pipe.enable_step_cache(policy)
-    try:
-        def render(index: int):
-            prompt, image, _ = items[index]
-            args = (prompt,) if task == "t2v" else (image, prompt)
-            return pipe(*args, seed=index, **call)
+def make_cache(spec: str, calibration):
+    """A policy object for ``spec`` (made once per setup, so MagCache keeps its calibration between clips): ours
+    with the calibration when one is given; ``"off"`` stays a string."""
+    from metainfer_gen.video.cache.config import PRESETS, StepCacheConfig
+    from metainfer_gen.video.cache.policies import StepCachePolicy, make_policy, parse_spec
 
-        render(0)  # warm-up (and MagCache's calibration); not timed
-        outputs = [render(index) for index in range(len(items))]
+    name, value = parse_spec(spec)
+    if name == "off":
+        return spec
+    if calibration is None or (name not in PRESETS and name != "auto"):
+        return make_policy(spec)
+    overrides = {} if value is None else {"error_budget": value}
+    config = StepCacheConfig.preset(name, signal=calibration.signal, calibration=calibration, **overrides)
+    return StepCachePolicy(config, name=spec)
+
+
+def render(pipe, task: str, cache, item, seed: int, call: dict):
+    """One clip with ``cache`` enabled for just this call."""
+    prompt, image, _ = item
+    pipe.enable_step_cache(cache)
+    try:
+        return pipe(*((prompt,) if task == "t2v" else (image, prompt)), seed=seed, **call)
     finally:
         pipe.disable_step_cache()
-    row = {"policy": policy, "blocks": np.mean([o.stats.block_evaluations for o in outputs]),
-           "seconds": np.mean([o.stats.seconds for o in outputs]), "clips": [o.frames for o in outputs]}
-    if reference is not None:
-        pairs = list(zip(outputs, reference["clips"]))
-        row["psnr_db"] = float(np.mean([min(psnr(o.frames, r), PSNR_CAP_DB) for o, r in pairs]))
-        row["ssim"] = float(np.mean([ssim(o.frames, r) for o, r in pairs]))
-        row["speedup"] = reference["seconds"] / row["seconds"]
-    else:
+
+
+def make_row(policy: str, outputs: list, reference: list | None, items, score: bool) -> dict:
+    """Means per clip; PSNR/SSIM and speedup against the uncached clips of the same seeds."""
+    row = {"policy": policy, "blocks": float(np.mean([o.stats.block_evaluations for o in outputs])),
+           "seconds": float(np.mean([o.stats.seconds for o in outputs]))}
+    if reference is None:
         row.update(psnr_db=PSNR_CAP_DB, ssim=1.0, speedup=1.0)
+    else:
+        pairs = list(zip(outputs, reference))
+        row["psnr_db"] = float(np.mean([min(psnr(o.frames, r.frames), PSNR_CAP_DB) for o, r in pairs]))
+        row["ssim"] = float(np.mean([ssim(o.frames, r.frames) for o, r in pairs]))
+        row["speedup"] = float(np.mean([r.stats.seconds for r in reference])) / row["seconds"]
     row["adherence"] = float(np.mean([adherence(o.frames, c) for o, (_, _, c) in zip(outputs, items)])) \
         if score else None
     return row
 
 
-def bench_setup(name: str, t2v, i2v, tasks: list[str], policies: list[str], items, call: dict,
-                score: bool) -> list[dict]:
+def bench_setup(name: str, pipes: dict, tasks: list[str], policies: list[str], items, call: dict,
+                score: bool, calibrate_on: str | None) -> list[dict]:
+    """All policies on each task of one model, round-robin per prompt (every policy sees the same machine load
+    over the run); ``calibrate_on``: a prompt for our calibration (None: ours fits online)."""
+    from metainfer_gen.video.cache.calibration import calibrate
+
+    calibration = None
+    if calibrate_on is not None and any(not p.startswith(BASELINE_PREFIXES) for p in policies):
+        rest = {k: v for k, v in call.items() if k != "num_inference_steps"}
+        calibration = calibrate(pipes["t2v"], [calibrate_on], num_inference_steps=call["num_inference_steps"],
+                                seed=10_000, **rest)
     rows = []
     for task in tasks:
-        reference = None
-        for policy in policies:
-            row = run_policy(t2v, i2v, task, policy, items, call, reference, score)
-            reference = reference or row
+        pipe = pipes[task]
+        caches = {spec: make_cache(spec, calibration) for spec in policies}
+        outputs: dict[str, list] = {spec: [] for spec in policies}
+        render(pipe, task, "off", items[0], 0, call)  # the first call of a process is slower; not timed
+        for index, item in enumerate(items):
+            for spec, cache in caches.items():
+                if getattr(cache, "mag_ratios", False) is None:
+                    render(pipe, task, cache, item, index, call)  # MagCache calibrates on its first call; not timed
+                outputs[spec].append(render(pipe, task, cache, item, index, call))
+            print(f"{name} {task}: prompt {index + 1}/{len(items)} done", file=sys.stderr, flush=True)
+        reference = outputs[policies[0]] if policies[0] == "off" else None
+        for spec in policies:
+            row = make_row(spec, outputs[spec], reference, items, score)
             row["setup"] = f"{name} {task}"
             rows.append(row)
             print(format_row(row), file=sys.stderr, flush=True)  # progress; the table is printed at the end
@@ -138,52 +180,75 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--setups", default="embedded,random", help="comma-separated: embedded, random (default both)")
     parser.add_argument("--model", default=None, help="pipeline folder (default: the embedded model)")
     parser.add_argument("--steps", type=int, default=50, help="num_inference_steps (default 50)")
     parser.add_argument("--num-prompts", type=int, default=8, help="held-out prompts per task (default 8)")
-    parser.add_argument("--tasks", default="t2v,i2v", help="comma-separated: t2v, i2v (default both)")
-    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated cache specs")
+    parser.add_argument("--tasks", default="t2v,i2v", help="embedded setup: comma-separated t2v, i2v (default both)")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="embedded setup: comma-separated cache specs")
     parser.add_argument("--guidance-scale", type=float, default=None, help="CFG weight (model default if omitted)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
-    parser.add_argument("--large-layers", type=int, default=12, help="blocks of the larger random Wan (0: skip it)")
-    parser.add_argument("--large-width", type=int, default=512, help="hidden size of the larger random Wan")
-    parser.add_argument("--large-size", type=int, default=128, help="frame height and width on the larger model")
+    parser.add_argument("--online", action="store_true", help="ours fits its ratios online (no calibration run)")
+    parser.add_argument("--large-layers", type=int, default=8, help="blocks of the larger random Wan")
+    parser.add_argument("--large-width", type=int, default=384, help="hidden size of the larger random Wan")
+    parser.add_argument("--large-size", type=int, default=64, help="frame height and width on the larger model")
+    parser.add_argument("--large-frames", type=int, default=5, help="frames on the larger model (4k+1)")
+    parser.add_argument("--large-steps", type=int, default=None, help="steps on the larger model (default --steps)")
+    parser.add_argument("--large-prompts", type=int, default=None, help="prompts on the larger model (default "
+                        "--num-prompts)")
+    parser.add_argument("--large-policies", default=",".join(RANDOM_POLICIES), help="random setup: cache specs")
     parser.add_argument("--quick", action="store_true", help="smoke run: 5 frames at 32x32 (64x64 for SSIM)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
 
     from metainfer_gen.pipelines import ImageToVideoPipeline, TextToVideoPipeline
 
-    policies = [p for p in args.policies.split(",") if p]
-    if "dbcache" in policies and importlib.util.find_spec("cache_dit") is None:
-        print("cache-dit not installed: dbcache row skipped (pip install cache-dit)", file=sys.stderr)
-        policies.remove("dbcache")
-    tasks = [t for t in args.tasks.split(",") if t]
+    setups = [s for s in args.setups.split(",") if s]
+    unknown = set(setups) - {"embedded", "random"}
+    if unknown:
+        parser.error(f"unknown setups {sorted(unknown)}; choose embedded, random")
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     frames = 5 if args.quick else 17
     call = {"num_inference_steps": args.steps, "num_frames": frames}
     if args.guidance_scale is not None:
         call["guidance_scale"] = args.guidance_scale
-    t2v = TextToVideoPipeline.from_pretrained(args.model, device=args.device, torch_dtype=dtype)
-    t2v.set_progress_bar_config(disable=True)
-    size = t2v.default("height")
-    items = prompts_and_images(args.num_prompts, size, frames)
-    rows = bench_setup("embedded" if args.model is None else Path(args.model).name, t2v,
-                       ImageToVideoPipeline.from_pipe(t2v), tasks, policies, items, call, score=args.model is None)
-    if args.large_layers > 0:
+    rows = []
+    if "embedded" in setups:
+        t2v = TextToVideoPipeline.from_pretrained(args.model, device=args.device, torch_dtype=dtype)
+        t2v.set_progress_bar_config(disable=True)
+        size = t2v.default("height")
+        items = prompts_and_images(args.num_prompts + 1, size, frames)
+        rows += bench_setup("embedded" if args.model is None else Path(args.model).name,
+                            {"t2v": t2v, "i2v": ImageToVideoPipeline.from_pipe(t2v)},
+                            [t for t in args.tasks.split(",") if t], _available(args.policies), items[1:], call,
+                            score=args.model is None, calibrate_on=None if args.online else items[0][0])
+    if "random" in setups:
         large = large_random_pipeline(args.device, dtype, args.large_layers, args.large_width)
         large.set_progress_bar_config(disable=True)
         large_size = 64 if args.quick else args.large_size
-        large_call = {**call, "height": large_size, "width": large_size}
-        rows += bench_setup(f"random-wan-{args.large_layers}x{args.large_width}", large,
-                            ImageToVideoPipeline.from_pipe(large), ["t2v"], policies,
-                            prompts_and_images(args.num_prompts, large_size, frames), large_call, score=False)
+        large_call = {**call, "height": large_size, "width": large_size,
+                      "num_frames": 5 if args.quick else args.large_frames,
+                      "num_inference_steps": args.large_steps or args.steps}
+        items = prompts_and_images((args.large_prompts or args.num_prompts) + 1, large_size, large_call["num_frames"])
+        rows += bench_setup(f"random-wan-{args.large_layers}x{args.large_width}", {"t2v": large}, ["t2v"],
+                            _available(args.large_policies), items[1:], large_call, score=False,
+                            calibrate_on=None if args.online else items[0][0])
     print("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
     print("\n".join(format_row(row) for row in rows))
     if args.json:
         Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k != "clips"} for r in rows],
                                               indent=1, default=float))
     return 0
+
+
+def _available(specs: str) -> list[str]:
+    policies = [p for p in specs.split(",") if p]
+    if not policies or policies[0] != "off":
+        raise SystemExit(f"the policies must start with off (the reference of PSNR, SSIM and speedup): {specs}")
+    if "dbcache" in policies and importlib.util.find_spec("cache_dit") is None:
+        print("cache-dit not installed: dbcache row skipped (pip install cache-dit)", file=sys.stderr)
+        policies.remove("dbcache")
+    return policies
 
 
 if __name__ == "__main__":
