@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,7 +173,9 @@ class LoraSet:
             raise ValueError(f"LoRA {label} refused: none of its {len(state_dict)} keys matches a layer of "
                              f"{type(self.model).__name__} (e.g. {examples}); it was made for another model")
         dtype = next(self.model.parameters()).dtype
-        self.pipe.load_lora_weights({k: v.to(dtype) for k, v in converted.items()}, adapter_name=name)
+        with warnings.catch_warnings():  # peft warns on every adapter after the first; several are the point here
+            warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+            self.pipe.load_lora_weights({k: v.to(dtype) for k, v in converted.items()}, adapter_name=name)
         report = LoraReport(name, label, len(state_dict), modules, skipped)
         if skipped:
             logger.warning(report.summary())
