@@ -1,20 +1,35 @@
-"""Context parallelism for one long prefill: each rank takes a share of the prompt's tokens, the MLA latent rows
+"""Context parallelism for one long prefill: each rank takes a share of the prompt's tokens, the cache rows
 travel round a ring of ranks, and every rank attends its queries to every block it sees (ring attention).
 
     cp = ContextParallel.from_env()            # under torchrun / spawned ranks: gloo on the CPU
-    result = cp_prefill(model, prompt_ids, cp)  # first greedy token + the whole prompt's latent rows per layer
-    caches, table = to_decode_layout(result.latents, block_size=16, dtype=..., device=...)
+    result = cp_prefill(model, prompt_ids, cp)  # first greedy token + the whole prompt's cache rows per layer
+    caches, table = to_decode_layout(result.latents, block_size=16, num_blocks=..., dtype=...)  # a bare model
+    first = adopt_prefill(engine, prompt_ids, result, params)  # or: into an engine, any TP size, which decodes
 
 Token split: the prompt is cut into 2 * size chunks and rank r takes chunks r and 2 * size - 1 - r (the "zigzag"
 of Megatron-LM / Llama 3 context parallelism), so causal work is balanced. Per layer each rank projects its own
-tokens (q, latent row ``[c_kv, k_pe]``), then for size steps attends to the block it holds and passes it on
-(isend/irecv to the neighbours, overlapped with the attention of the current block); partial results are merged
-with an online softmax (log-sum-exp), so no rank ever holds all scores. Ring Attention: arXiv:2310.01889.
+tokens (q, cache row), then for size steps works on the block it holds and passes it on (isend/irecv to the
+neighbours, overlapped with the work on the current block). Ring Attention: Liu et al. 2023, arXiv:2310.01889.
+
+- MLA (DeepSeek-V3): the block is the latent rows ``[c_kv, k_pe]``; each rank attends in the expanded form and
+  merges partial results with an online softmax (log-sum-exp), so no rank holds all scores.
+- DSA (DeepSeek-V3.2, sparse top-k): a query may only attend to the ``index_topk`` keys the lightning indexer
+  ranks highest over its *whole* causal prefix, which spans every rank. So the layer runs two rings: the first
+  carries the indexer keys, and each rank keeps a running top-k (scores and positions) per query, merging each
+  block's candidates; once every block has passed, the selection is the one a single rank would take over the full
+  prefix. The second ring carries the latent rows and each query attends, in MLA's absorbed form as the engine's
+  sparse kernel does, to those of its selected positions that lie in the block (online-softmax merge again).
+  The first ring moves ``index_head_dim`` values per token (128 for V3.2 against 576 for the latent).
+  Context parallelism for prefill with a separate decode setting is what vLLM-Ascend documents as PCP / DCP
+  (prefill_context_parallel_size, decode_context_parallel_size) and SGLang offers for DSA models as
+  ``--enable-nsa-prefill-context-parallel``.
 
 Each CP rank holds the whole model here (CP x TP=1); MoE and o_proj run on local tokens only. After the last layer
-the rows are all-gathered and written into the engine's paged layout for decode (``to_decode_layout``), which
-decodes with its own TP setting. Not done: the DSA sparse (top-k) variant of the ring and FP8 rows, CP inside the
-engine's scheduler (this is a standalone prefill path).
+the rows are all-gathered, so every rank holds the prompt's full cache rows, which is what any TP decode layout
+needs: MLA's cache row is shared by all heads and replicated over TP ranks (see
+:mod:`metainfer_gen.llm.layers.mla`). ``adopt_prefill`` writes them into an engine's paged pool; that engine runs
+with its own ``tensor_parallel_size``. Not done: FP8 rows on the ring (rows travel as float32), CP inside the
+engine's scheduler (this is a standalone prefill path the engine adopts), and a CP x TP grid sharing one model.
 """
 
 from __future__ import annotations
@@ -60,11 +75,15 @@ class ContextParallel:
 @dataclass(slots=True)
 class PrefillResult:
     """first_token: greedy token after the prompt; logits: its (vocab,) float32 logits; latents: per layer the
-    (L, r + dr) rows of the whole prompt in position order (after the all-gather)."""
+    (L, row) cache rows of the whole prompt in position order (after the all-gather), ``row`` being the model's
+    ``cache_row_size``: ``[c_kv, k_pe]`` for DeepSeek-V3, ``[c_kv, k_pe, indexer key]`` for V3.2."""
 
     first_token: int
     logits: torch.Tensor
     latents: list[torch.Tensor]
+
+
+_PAD_POSITION = 2**24 - 1  # position of padding rows: above every query, exact in float32
 
 
 def _ring_step(block: torch.Tensor, cp: ContextParallel):
@@ -77,6 +96,39 @@ def _ring_step(block: torch.Tensor, cp: ContextParallel):
     return recv, dist.batch_isend_irecv(ops)
 
 
+def _ring(local: torch.Tensor, pos: torch.Tensor, cp: ContextParallel, pad_to: int, visit) -> None:
+    """Show every rank's ``local`` block (n, w) to ``visit(rows (k, w) in local.dtype, positions (k,) int64)``,
+    own block first, while the next block is in flight.
+
+    The block carries its positions in an extra float32 column (exact below 2**24) so one message moves both.
+    Shares differ by up to a token per chunk: blocks are padded to ``pad_to`` rows at ``_PAD_POSITION``, which no
+    query reaches, so positions in a block stay ascending.
+    """
+    block = torch.cat([local.float(), pos.float()[:, None]], dim=-1)
+    if pad_to > local.shape[0]:
+        filler = torch.zeros(pad_to - local.shape[0], block.shape[1])
+        filler[:, -1] = _PAD_POSITION
+        block = torch.cat([block, filler])
+    for step in range(cp.size):
+        pending = _ring_step(block, cp) if step < cp.size - 1 else None
+        visit(block[:, :-1].to(local.dtype), block[:, -1].long())
+        if pending is not None:
+            recv, works = pending
+            for w in works:
+                w.wait()
+            block = recv
+
+
+def _tiles(q_pos: torch.Tensor, k_pos: torch.Tensor, tile: int):
+    """Query ranges ``[lo, hi)`` of at most ``tile`` that see at least one key of the block (queries ascend, so a
+    tile ending before the block's first key sees none of it and is skipped)."""
+    k_first = int(k_pos.min())
+    for lo in range(0, q_pos.shape[0], tile):
+        hi = min(lo + tile, q_pos.shape[0])
+        if int(q_pos[hi - 1]) >= k_first:
+            yield lo, hi
+
+
 class _OnlineSoftmax:
     """Running max, normaliser and weighted sum of values per (head, query), float32."""
 
@@ -85,66 +137,125 @@ class _OnlineSoftmax:
         self.l = torch.zeros(heads, queries)
         self.acc = torch.zeros(heads, queries, dv)
 
-    def update(self, rows: slice, scores: torch.Tensor, v: torch.Tensor) -> None:
-        """scores (N, t, k) float32 with -inf where masked; v (k, N, dv)."""
+    def update(self, lo: int, hi: int, scores: torch.Tensor, v: torch.Tensor, per_query: bool = False) -> None:
+        """scores (N, t, k) float32 with -inf where masked, for queries [lo, hi); v (k, N, dv) shared by the
+        queries (dense), or with ``per_query`` (t, k, dv): each query's own selected rows (sparse)."""
+        rows = slice(lo, hi)
         m_old = self.m[:, rows]
         m_new = torch.maximum(m_old, scores.amax(-1))
         safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         p = torch.exp(scores - safe[..., None])
         scale = torch.exp(m_old - safe)
         self.l[:, rows] = self.l[:, rows] * scale + p.sum(-1)
-        self.acc[:, rows] = self.acc[:, rows] * scale[..., None] + torch.einsum("ntk,knd->ntd", p, v.float())
+        weighted = torch.einsum("ntk,tkd->ntd" if per_query else "ntk,knd->ntd", p, v.float())
+        self.acc[:, rows] = self.acc[:, rows] * scale[..., None] + weighted
         self.m[:, rows] = m_new
 
     def result(self) -> torch.Tensor:
         """(queries, N, dv)."""
         return (self.acc / self.l[..., None]).permute(1, 0, 2)
+class _RunningTopK:
+    """Per query, the ``k`` best indexer scores seen so far and their positions (-1 where fewer keys were seen).
+
+    Merging blocks in any order gives the top-k of the union, so after every block of the causal prefix has been
+    merged the selection is the one ``torch.topk`` takes over the whole prefix (up to exact ties in score).
+    """
+
+    def __init__(self, queries: int, k: int):
+        self.scores = torch.full((queries, k), float("-inf"))
+        self.positions = torch.full((queries, k), -1, dtype=torch.long)
+
+    def merge(self, lo: int, hi: int, scores: torch.Tensor, positions: torch.Tensor) -> None:
+        """scores (t, kb) float32, -inf for keys queries [lo, hi) may not see; positions (kb,) int64."""
+        cand = torch.cat([self.scores[lo:hi], scores], dim=1)
+        cand_pos = torch.cat([self.positions[lo:hi], positions.expand(hi - lo, -1)], dim=1)
+        best = cand.topk(self.scores.shape[1], dim=1)
+        self.scores[lo:hi] = best.values
+        self.positions[lo:hi] = torch.where(torch.isinf(best.values), -1, cand_pos.gather(1, best.indices))
 
 
-def _attend(attn, q_nope, q_pe, q_pos, rows, k_pos, state: _OnlineSoftmax, tile: int) -> None:
-    """Fold one block of context rows (k, r + dr) at positions k_pos into ``state`` for every query tile."""
-    c_kv, k_pe = rows.to(q_nope.dtype).split([attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
-    kv = attn.kv_b_proj(c_kv).view(-1, attn.num_heads, attn.qk_nope_head_dim + attn.v_head_dim)
-    k_nope, v = kv.split([attn.qk_nope_head_dim, attn.v_head_dim], dim=-1)
-    k_first = int(k_pos.min())
-    for lo in range(0, q_nope.shape[0], tile):
-        hi = min(lo + tile, q_nope.shape[0])
-        if int(q_pos[hi - 1]) < k_first:  # queries ascend: this tile sees none of the block (skipped)
-            continue
-        scores = torch.einsum("qnd,knd->nqk", q_nope[lo:hi], k_nope) + torch.einsum("qnd,kd->nqk", q_pe[lo:hi], k_pe)
-        causal = k_pos[None, :] <= q_pos[lo:hi, None]
-        state.update(slice(lo, hi), (scores.float() * attn.softmax_scale).masked_fill(~causal, float("-inf")), v)
+def _dense_attention(attn, q_nope, q_pe, pos, rows, cp, tile, pad_to) -> torch.Tensor:
+    """MLA over the whole causal prefix: ring of latent rows (n, r + dr), expanded form per block, online-softmax
+    merge. Returns (n, N, dv)."""
+    state = _OnlineSoftmax(attn.num_heads, q_nope.shape[0], attn.v_head_dim)
+
+    def visit(block, k_pos):
+        c_kv, k_pe = block.to(q_nope.dtype).split([attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+        kv = attn.kv_b_proj(c_kv).view(-1, attn.num_heads, attn.qk_nope_head_dim + attn.v_head_dim)
+        k_nope, v = kv.split([attn.qk_nope_head_dim, attn.v_head_dim], dim=-1)
+        for lo, hi in _tiles(pos, k_pos, tile):
+            scores = torch.einsum("qnd,knd->nqk", q_nope[lo:hi], k_nope) \
+                + torch.einsum("qnd,kd->nqk", q_pe[lo:hi], k_pe)
+            causal = k_pos[None, :] <= pos[lo:hi, None]
+            state.update(lo, hi, (scores.float() * attn.softmax_scale).masked_fill(~causal, float("-inf")), v)
+
+    _ring(rows, pos, cp, pad_to, visit)
+    return state.result()
+
+
+def _select_topk(indexer, iq, weights, pos, keys, cp, tile, pad_to) -> torch.Tensor:
+    """DSA selection over the whole causal prefix: ring of indexer keys (n, D), running top-k. iq (n, H, D) and
+    weights (n, H) are this rank's indexer queries. Returns (n, index_topk) int64 positions, -1 for none.
+
+    Scores use :func:`metainfer_gen.kernels.indexer.indexer_scores_reference` (transformers' operation order), the
+    values the one-rank engine's torch path ranks."""
+    from metainfer_gen.kernels.indexer import indexer_scores_reference
+
+    best = _RunningTopK(pos.shape[0], indexer.topk)
+
+    def visit(block, k_pos):
+        block = block.to(iq.dtype)[None]
+        for lo, hi in _tiles(pos, k_pos, tile):
+            visible = torch.searchsorted(k_pos, pos[lo:hi], right=True)  # block positions ascend
+            scores = indexer_scores_reference(iq[None, lo:hi], weights[None, lo:hi], block, visible[None],
+                                              indexer.softmax_scale)[0]  # (t, k) float32
+            best.merge(lo, hi, scores, k_pos)
+
+    _ring(keys, pos, cp, pad_to, visit)
+    return best.positions
+
+
+def _sparse_attention(attn, q_nope, q_pe, pos, rows, picked, cp, tile, pad_to) -> torch.Tensor:
+    """Sparse MLA: ring of latent rows (n, r + dr); each query attends, in the absorbed form (as
+    :func:`metainfer_gen.kernels.sparse_mla`), to its ``picked`` (n, K) positions found in the block. Returns
+    (n, N, dv)."""
+    query = attn._absorb_query(q_nope, q_pe)  # (n, N, r + dr)
+    state = _OnlineSoftmax(attn.num_heads, q_nope.shape[0], attn.kv_lora_rank)
+
+    def visit(block, k_pos):
+        for lo, hi in _tiles(pos, k_pos, tile):
+            want = picked[lo:hi]  # (t, K)
+            at = torch.searchsorted(k_pos, want.clamp_min(0)).clamp_max(k_pos.shape[0] - 1)
+            found = (want >= 0) & (k_pos[at] == want)
+            if not bool(found.any()):
+                continue
+            context = block[at].to(query.dtype)  # (t, K, r + dr)
+            scores = torch.einsum("tnc,tkc->ntk", query[lo:hi], context)
+            scores = (scores.float() * attn.softmax_scale).masked_fill(~found[None], float("-inf"))
+            state.update(lo, hi, scores, context[..., : attn.kv_lora_rank], per_query=True)
+
+    _ring(rows, pos, cp, pad_to, visit)
+    return attn._unabsorb(state.result().to(q_nope.dtype))
 
 
 def _layer(layer, x, pos, cos, sin, cp: ContextParallel, tile: int, pad_to: int):
-    """One decoder layer on this rank's tokens; returns (x, this rank's latent rows (n, r + dr))."""
+    """One decoder layer on this rank's tokens; returns (x, this rank's cache rows (n, cache_row_size))."""
     attn, h = layer.self_attn, layer.input_layernorm(x)
-    n = x.shape[0]
-    q = attn.q_proj(h) if attn.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(h)))
-    q_nope, q_pe = q.view(n, attn.num_heads, -1).split([attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
-    c_kv, k_pe = attn.kv_a_proj_with_mqa(h).split([attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
-    site = f"layers.{attn.layer_idx}.self_attn"
-    q_pe = kernels.rope(q_pe.contiguous(), cos, sin, interleaved=attn.rope_interleave, site=site)
-    k_pe = kernels.rope(k_pe.reshape(n, 1, -1).contiguous(), cos, sin, interleaved=attn.rope_interleave, site=site)
-    rows = torch.cat([attn.kv_a_layernorm(c_kv), k_pe[:, 0]], dim=-1)  # (n, r + dr)
-    state = _OnlineSoftmax(attn.num_heads, n, attn.v_head_dim)
-    # The block carries its positions in an extra float column (exact below 2**24) so one message moves both.
-    # Shares differ by up to a token per chunk; padding rows sit at a position no query reaches.
-    block = torch.cat([rows.float(), pos.float()[:, None]], dim=-1)
-    if pad_to > n:
-        filler = torch.zeros(pad_to - n, block.shape[1])
-        filler[:, -1] = 2**24 - 1
-        block = torch.cat([block, filler])
-    for step in range(cp.size):
-        pending = _ring_step(block, cp) if step < cp.size - 1 else None
-        _attend(attn, q_nope, q_pe, pos, block[:, :-1].to(rows.dtype), block[:, -1].long(), state, tile)
-        if pending is not None:
-            recv, works = pending
-            for w in works:
-                w.wait()
-            block = recv
-    out = state.result().to(x.dtype)  # (n, N, dv)
-    x = x + attn.o_proj(out.flatten(1))
+    q_nope, q_pe, latent, q_resid = attn._project(h, cos, sin)  # the engine's projections, same numerics
+    rows = latent[:, 0]  # (n, r + dr)
+    indexer = getattr(attn, "indexer", None)
+    if indexer is None:
+        out = _dense_attention(attn, q_nope, q_pe, pos, rows, cp, tile, pad_to)
+    else:
+        keys = indexer.keys(h, cos, sin)  # (n, D), cached beside the latent as the engine does
+        if attn.sparse:
+            iq, weights = indexer.queries(h, q_resid, cos, sin)
+            picked = _select_topk(indexer, iq, weights, pos, keys, cp, tile, pad_to)
+            out = _sparse_attention(attn, q_nope, q_pe, pos, rows, picked, cp, tile, pad_to)
+        else:
+            out = _dense_attention(attn, q_nope, q_pe, pos, rows, cp, tile, pad_to)
+        rows = torch.cat([rows, keys.to(rows.dtype)], dim=-1)
+    x = x + attn.o_proj(out.to(x.dtype).flatten(1))
     return x + layer.mlp(layer.post_attention_layernorm(x)), rows
 
 
@@ -171,7 +282,8 @@ def cp_prefill(model, prompt: list[int], cp: ContextParallel, tile: int = 512) -
     """Prefill ``prompt`` split over the ring; every rank returns the same result.
 
     Args:
-        model: the engine's DeepSeek-V3 model built with TP=1 (whole on every rank).
+        model: the engine's DeepSeek-V3 or V3.2 model built with TP=1 (whole on every rank). V3.2 layers attend
+            sparsely (top-k over the whole prefix) unless their ``self_attn.sparse`` is False.
         prompt: token ids, at least ``2 * cp.size`` of them.
         tile: queries per score tile (bounds the float32 scores at heads x tile x block).
     Raises:
@@ -219,3 +331,58 @@ def to_decode_layout(latents: list[torch.Tensor], block_size: int, num_blocks: i
         cache.view(-1, row)[:length] = rows.to(dtype)
         caches.append(cache)
     return caches, list(range(num_blocks))
+
+
+def adopt_prefill(engine, prompt: list[int], result: PrefillResult, params=None, request_id: str | None = None):
+    """Hand a context-parallel prefill to ``engine``, which decodes it with its own settings (any
+    ``tensor_parallel_size``: the MLA cache row is replicated over TP ranks, and every CP rank holds all rows).
+
+    The request is checked and refused as ``engine.add_request`` does; it then gets KV blocks for the prompt, the
+    rows are written with the engine's store kernel (any cache dtype), and it joins the running batch as if its
+    prefill step had just sampled ``result.first_token`` (the scheduler's own update: prefix-cache registration,
+    stop checks). Step the engine (``engine.step()``) to decode; under TP every rank adopts and steps alike.
+
+    Args:
+        engine: an :class:`~metainfer_gen.llm.engine.LLMEngine` for the same checkpoint.
+        prompt: the prefilled token ids. result: what :func:`cp_prefill` returned for them.
+        params: :class:`~metainfer_gen.llm.sequence.SamplingParams` for the rest (the first token was greedy).
+    Returns:
+        the :class:`~metainfer_gen.llm.outputs.RequestOutput` of the first token (finished when that ends it).
+    Raises:
+        RequestRejected: as ``add_request`` (too long for the model or the pool).
+        ValueError: rows that do not match the engine's layers or cache row, or a prompt of another length.
+        RuntimeError: not enough free KV blocks or sequence slots now (retry when requests finish).
+    """
+    from metainfer_gen.llm.outputs import RequestOutput
+    from metainfer_gen.llm.scheduler import ScheduledSequence, SchedulerOutput
+    from metainfer_gen.llm.sequence import SequenceStatus
+
+    caches = engine.runner.kv_caches
+    if len(result.latents) != len(caches) or any(r.shape != (len(prompt), c.shape[-1])
+                                                 for r, c in zip(result.latents, caches)):
+        raise ValueError(f"prefill rows {[tuple(r.shape) for r in result.latents[:1]]} x {len(result.latents)} "
+                         f"layers do not fit this engine: {len(prompt)} tokens x row {caches[0].shape[-1]} x "
+                         f"{len(caches)} layers")
+    request_id = engine.add_request(prompt, params, request_id)
+    seq = engine._requests[request_id]
+    scheduler, blocks = engine.scheduler, engine.block_manager
+    scheduler.waiting.remove(seq)
+    needed = blocks.blocks_needed(seq, len(prompt))
+    if not blocks.can_allocate(needed) or len(scheduler.running) >= scheduler.max_num_seqs:
+        engine._requests.pop(request_id)
+        raise RuntimeError(f"cannot adopt a {len(prompt)}-token prefill now: it needs {needed} KV blocks "
+                           f"({blocks.num_free_blocks} free) and a sequence slot ({len(scheduler.running)} of "
+                           f"{scheduler.max_num_seqs} running)")
+    blocks.allocate(seq, len(prompt))
+    size = engine.config.block_size
+    slots = torch.tensor([seq.block_table[i // size] * size + i % size for i in range(len(prompt))],
+                         device=caches[0].device)
+    for rows, cache in zip(result.latents, caches):
+        kernels.store_kv_cache(rows.to(cache.device).unsqueeze(1), None, cache, None, slots, site="cp_adopt")
+    seq.status = SequenceStatus.RUNNING
+    scheduler.running.append(seq)
+    finished = scheduler.update(SchedulerOutput([ScheduledSequence(seq, 0, len(prompt))]),
+                                {seq.seq_id: result.first_token})
+    if finished:
+        engine._requests.pop(request_id, None)
+    return RequestOutput.from_sequence(seq, [result.first_token], engine._detokenize(seq) if finished else "")
