@@ -11,6 +11,20 @@ Eligible: :class:`~metainfer_gen.llm.layers.linear.LinearBase` layers with ``fp8
 experts, indexer ``wq_b``/``wk``). Not: embeddings, LM head, norms, the MoE router, MLA's ``kv_b_proj`` (read as
 W_UK/W_UV in the absorbed form; vLLM dequantises it at load too) and the indexer's ``weights_proj`` (float32 in
 transformers).
+
+This is DeepSeek's published recipe. Sources: DeepSeek-V3 technical report (arXiv:2412.19437) section 3.3.1 keeps
+"the embedding module, the output head, MoE gating modules, normalization operators, and attention operators" in
+BF16/FP32; DeepSeek-V3 ``inference/model.py`` makes every ``Linear`` (``wq_a``, ``wq_b``, ``wkv_a``, ``wkv_b``,
+``wo``, dense MLP, experts, shared experts) float8_e4m3fn with 128x128 ``scale`` blocks when ``dtype == "fp8"``,
+while ``ParallelEmbedding``, the ``head`` (``dtype=torch.get_default_dtype()``), ``Gate.weight`` and ``RMSNorm``
+stay BF16; DeepSeek-V3.2-Exp ``inference/model.py`` adds the indexer with ``wq_b``/``wk`` as FP8 ``Linear`` and
+``weights_proj`` in float32. The one difference is ``kv_b_proj`` (``wkv_b``): DeepSeek stores it in FP8 but its
+absorbed attention calls ``weight_dequant`` on it before use, and vLLM's MLA backend likewise dequantises it into
+W_UK/W_UV at load; we keep it in the run dtype (a bf16 checkpoint is not rounded to fp8 there; an FP8 checkpoint's
+values are dequantised, as vLLM does). vLLM's ``Fp8Config`` quantises only ``LinearBase`` layers not in
+``ignored_layers`` (``modules_to_not_convert`` in transformers' ``FineGrainedFP8Config``); in vLLM's
+``deepseek_v2.py`` the router (``GateLinear``, built without a quant config) and ``ParallelLMHead`` /
+``VocabParallelEmbedding`` stay unquantised. Measured on the embedded LLM: see ``docs/demo_llm.md``.
 """
 
 from __future__ import annotations

@@ -46,13 +46,21 @@ def task_samples(tokenizer, num_samples: int) -> dict[str, list[Example]]:
 
 def evaluate(model_dir: str | None = None, num_samples: int = 50) -> dict[str, float]:
     """Accuracy per task (0-1), greedy decoding through :class:`~metainfer_gen.llm.engine.LLMEngine`."""
-    from metainfer_gen.llm import EngineConfig, LLMEngine, SamplingParams
+    from metainfer_gen.llm import EngineConfig, LLMEngine
     from metainfer_gen.pipelines.text_generation import default_llm_dir
 
     engine = LLMEngine.from_pretrained(model_dir or default_llm_dir(), EngineConfig(max_model_len=configs.CONTEXT))
+    return task_accuracy(engine, task_samples(engine.tokenizer, num_samples))
+
+
+def task_accuracy(engine, tasks: dict[str, list[Example]]) -> dict[str, float]:
+    """Share (0-1) of each task's samples whose greedy continuation from ``engine`` (an
+    :class:`~metainfer_gen.llm.engine.LLMEngine`) starts with the exact answer."""
+    from metainfer_gen.llm import SamplingParams
+
     tokenizer = engine.tokenizer
     results = {}
-    for name, samples in task_samples(tokenizer, num_samples).items():
+    for name, samples in tasks.items():
         max_new = max(len(tokenizer(s.answer, add_special_tokens=False)["input_ids"]) for s in samples) + 1
         outputs = engine.generate([s.prompt for s in samples], SamplingParams(max_new_tokens=max_new, temperature=0))
         correct = sum(o.text.strip().startswith(s.answer.strip()) for o, s in zip(outputs, samples))
