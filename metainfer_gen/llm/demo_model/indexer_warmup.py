@@ -38,6 +38,7 @@ from torch import nn
 
 from metainfer_gen.llm.demo_model import configs
 from metainfer_gen.llm.demo_model.data import prose_sentences, training_text
+from metainfer_gen.llm.demo_model.train import vocabulary_words
 from metainfer_gen.training import ResumableRun
 
 # Indexer size for the tiny model (DeepSeek-V3.2: 64 heads of 128; here the attention's 4 heads, head dim 32 >
@@ -178,8 +179,6 @@ def train(work_dir: Path, dense_dir: Path, steps: int, batch_size: int, lr: floa
     optimizer = torch.optim.AdamW(trained.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     run = ResumableRun(work_dir, trained, optimizer)
     sentences = prose_sentences()
-    from metainfer_gen.llm.demo_model.train import vocabulary_words
-
     words = vocabulary_words(sentences)
     trained.train()
     while run.step < steps:
@@ -209,8 +208,6 @@ def topk_recall(model_dir: Path, topk: int, num_samples: int = 8, seed: int = 5)
 
     student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     dense = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
-    from metainfer_gen.llm.demo_model.train import vocabulary_words
-
     sentences = prose_sentences()
     rng = random.Random(seed)
     texts = [training_text(rng, sentences, vocabulary_words(sentences), int(1.9 * configs.CONTEXT), 0.15).text
@@ -250,11 +247,15 @@ def set_attention(engine, topk: int | None) -> None:
             attn.indexer.topk = topk
 
 
-def evaluate_sparse(model_dir: Path = ASSET_DIR, topks: tuple[int, ...] = (128, 64), num_samples: int = 50
-                    ) -> dict[str, dict[str, float]]:
+def evaluate_sparse(model_dir: Path = ASSET_DIR, topks: tuple[int, ...] = (128, 64), num_samples: int = 50,
+                    tasks: tuple[str, ...] | None = None) -> dict[str, dict[str, float]]:
     """Recall accuracy (0-1) per task of :func:`metainfer_gen.llm.demo_model.evaluate.task_samples` (the
     embedded LLM's evaluation samples: passkey at 128/256/512 tokens, key-value recall, copying), greedy through
-    our engine, with dense attention (``"dense"``) and with sparse attention at each top-k (``"top-K"``).
+    our engine, with dense attention (``"dense"``) and with sparse attention at each top-k (``"top-K"``);
+    ``tasks`` keeps only the named ones (e.g. ``("passkey@512",)``).
+
+    Raises:
+        KeyError: a task name the evaluation does not have.
 
     One engine serves every mode, with prefix caching off: the cached rows of later layers depend on the
     attention mode of earlier ones, so a prefix cached in one mode must not be reused in another.
@@ -264,12 +265,13 @@ def evaluate_sparse(model_dir: Path = ASSET_DIR, topks: tuple[int, ...] = (128, 
 
     engine = LLMEngine.from_pretrained(model_dir, EngineConfig(max_model_len=configs.CONTEXT,
                                                                enable_prefix_caching=False))
-    tasks = task_samples(engine.tokenizer, num_samples)
+    samples = task_samples(engine.tokenizer, num_samples)
+    samples = {name: samples[name] for name in tasks} if tasks else samples
     results: dict[str, dict[str, float]] = {}
     for topk in (None, *topks):
         set_attention(engine, topk)
         mode = "dense" if topk is None else f"top-{topk}"
-        results[mode] = task_accuracy(engine, tasks)
+        results[mode] = task_accuracy(engine, samples)
         print(mode, json.dumps(results[mode]), flush=True)
     return results
 
@@ -297,12 +299,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="evaluate this deepseek_v32 checkpoint dense vs sparse (e.g. the packaged asset)")
     parser.add_argument("--topks", default="128,64", help="sparse top-k values to evaluate")
     parser.add_argument("--num-samples", type=int, default=50, help="evaluation samples per task")
+    parser.add_argument("--tasks", default=None, help="comma-separated task names (default: all)")
     parser.add_argument("--json", default=None, help="write the evaluation to this JSON file")
     args = parser.parse_args(argv)
     work_dir = Path(args.work_dir)
     if args.evaluate:
         topks = tuple(int(k) for k in args.topks.split(","))
-        results = evaluate_sparse(Path(args.evaluate), topks, args.num_samples)
+        tasks = tuple(args.tasks.split(",")) if args.tasks else None
+        results = evaluate_sparse(Path(args.evaluate), topks, args.num_samples, tasks)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"num_samples": args.num_samples, "context": configs.CONTEXT, "accuracy": results}, f,
