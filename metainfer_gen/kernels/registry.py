@@ -4,7 +4,9 @@ Each op holds implementations ordered fastest first. An implementation pairs a f
 predicate taking the same arguments and returning ``None`` when it applies or a refusal reason when it does not
 (``"dtype torch.float64 not in (float32, bfloat16, float16)"``, ``"input x is not contiguous"``, ``"CPU-only
 machine: ..."``). Dispatch walks the list, runs the first that applies, and records the choice and every refusal in
-:mod:`metainfer_gen.kernels.audit_log`, counted per call site. In strict mode -- ``strict=True`` or the environment
+:mod:`metainfer_gen.kernels.audit_log`, counted per call site. The decision is cached per input signature
+(:mod:`metainfer_gen.kernels.dispatch_cache`), so a hot op pays a dictionary lookup, not the predicates; every call
+is still counted in the audit with the path and the refusals. In strict mode -- ``strict=True`` or the environment
 variable ``METAINFER_STRICT_FAST_PATH=1`` -- any refusal raises :class:`FastPathRefused` instead of falling back.
 
 Under ``torch.compile`` (an outer compile of a whole model) dispatch runs the last implementation, the plain torch
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -105,6 +106,8 @@ class Op:
         self.description = description
         self.example = example
         self._impls: list[Implementation] = []
+        self._decisions: dict[tuple, tuple[Implementation, tuple[Refusal, ...]]] = {}
+        self._decision_env: tuple | None = None
 
     def register(self, name: str, fn: Callable[..., Any], supports: Callable[..., str | None] | None = None, *,
                  description: str = "", before: str | None = None) -> Implementation:
@@ -120,6 +123,7 @@ class Op:
             self._impls.append(impl)
         else:
             self._impls.insert(self._index(before), impl)
+        self._decisions.clear()
         return impl
 
     def _index(self, name: str) -> int:
@@ -159,14 +163,47 @@ class Op:
             refusals.append(Refusal(impl.name, reason))
         raise RuntimeError(f"{self.name}: no implementation applies: " + "; ".join(str(r) for r in refusals))
 
+    def decide(self, *args: Any, **kwargs: Any) -> tuple[Implementation, tuple[Refusal, ...]]:
+        """:meth:`select`, cached per input signature (see :mod:`metainfer_gen.kernels.dispatch_cache`).
+
+        The cache is dropped when the machine state changes (capabilities override, ``TRITON_INTERPRET``, triton
+        installed or not), when it reaches ``MAX_DECISIONS`` entries, and by :meth:`clear_decisions` (after
+        registering an implementation, or for a predicate that reads state the signature does not capture).
+        """
+        from metainfer_gen.kernels import dispatch_cache
+
+        key = dispatch_cache.signature_key(args, kwargs)
+        if key is None:
+            return self.select(*args, **kwargs)
+        env = dispatch_cache.environment()
+        if env != self._decision_env:
+            self._decisions.clear()
+            self._decision_env = env
+        decision = self._decisions.get(key)
+        if decision is None:
+            decision = self.select(*args, **kwargs)
+            if len(self._decisions) >= dispatch_cache.MAX_DECISIONS:
+                self._decisions.clear()
+            self._decisions[key] = decision
+        return decision
+
+    def clear_decisions(self) -> None:
+        """Forget the cached decisions (the next call of each signature walks the predicates again)."""
+        self._decisions.clear()
+
     def dispatch(self, *args: Any, site: str | None = None, strict: bool | None = None, stacklevel: int = 1,
                  **kwargs: Any) -> Any:
         """Run the fastest applicable implementation and audit the choice.
 
+        The choice comes from :meth:`decide` (cached per input signature), and every call is still counted in the
+        audit with its site, the path that ran and the faster paths refused, exactly as a fresh :meth:`select`
+        would report them.
+
         Args:
             args, kwargs: the op's arguments, passed to ``supports`` and to the implementation.
-            site: the call-site name in the audit; default ``"file.py:line (function)"`` of the caller
-                ``stacklevel`` frames up (1 = whoever called ``dispatch``).
+            site: the call-site name in the audit (pass a constant from hot code); default
+                ``"file.py:line (function)"`` of the caller ``stacklevel`` frames up (1 = whoever called
+                ``dispatch``), looked up in a per-code-object cache.
             strict: raise instead of falling back; None reads ``METAINFER_STRICT_FAST_PATH``.
         Raises:
             FastPathRefused: strict mode and a faster implementation was refused.
@@ -175,10 +212,11 @@ class Op:
 
         if torch.compiler.is_compiling():
             return self._impls[-1].fn(*args, **kwargs)
-        impl, refusals = self.select(*args, **kwargs)
+        impl, refusals = self.decide(*args, **kwargs)
         if site is None:
-            frame = sys._getframe(stacklevel)
-            site = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
+            from metainfer_gen.kernels.dispatch_cache import call_site
+
+            site = call_site(stacklevel)
         if refusals and strict_enabled(strict):
             raise FastPathRefused(self.name, site, impl.name, refusals)
         record(self.name, site, impl.name, refusals)

