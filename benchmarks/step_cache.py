@@ -66,26 +66,33 @@ def adherence(frames: np.ndarray, combo: tuple) -> float:
     return 0.5 * (reading.colour == combo[0]) + 0.5 * (reading.direction == combo[2])
 
 
-def large_random_pipeline(device: str, dtype, num_layers: int, width: int):
-    """The embedded model's VAE and text encoder with a larger random-initialised Wan transformer (heads of 64)."""
+def large_random_pipeline(device: str, dtype, num_layers: int, width: int, vae: str = "tiny"):
+    """A larger random-initialised Wan transformer (heads of 64) with the embedded text encoder, and either a tiny
+    random Wan VAE (``vae="tiny"``: its decode costs a few transformer calls, so the transformer dominates the
+    clip) or the embedded model's VAE (``"embedded"``: realistic pixels, but its decode is a large share)."""
     import torch
-    from diffusers import WanPipeline, WanTransformer3DModel
+    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 
     from metainfer_gen.pipelines import TextToVideoPipeline
     from metainfer_gen.video.demo_model import configs
 
     small = TextToVideoPipeline.from_pretrained(None, device=device, torch_dtype=dtype)
     base = small.diffusers_pipeline
-    heads = max(width // 64, 1)
     torch.manual_seed(0)
-    channels = base.vae.config.z_dim  # whatever the embedded VAE is now (it was retrained from 16 to 48)
+    decoder = base.vae
+    if vae == "tiny":
+        decoder = AutoencoderKLWan(base_dim=16, z_dim=16, dim_mult=[1, 2, 2], num_res_blocks=1,
+                                   temperal_downsample=[True, True], latents_mean=[0.0] * 16, latents_std=[1.0] * 16,
+                                   scale_factor_spatial=4, scale_factor_temporal=4).to(device, dtype).eval()
+    heads = max(width // 64, 1)
+    channels = decoder.config.z_dim  # the embedded VAE was retrained from 16 to 48 channels: follow it
     random = WanTransformer3DModel(**{**configs.TRANSFORMER_CONFIG, "num_layers": num_layers,
                                       "num_attention_heads": heads, "attention_head_dim": width // heads,
                                       "ffn_dim": 4 * width, "in_channels": channels, "out_channels": channels})
     with tempfile.TemporaryDirectory() as folder:  # from_pretrained keeps Wan's float32 modules in float32
         random.save_pretrained(folder)
         transformer = WanTransformer3DModel.from_pretrained(folder, torch_dtype=dtype).to(device).eval()
-    pipe = WanPipeline(tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=base.vae,
+    pipe = WanPipeline(tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=decoder,
                        transformer=transformer, scheduler=base.scheduler, expand_timesteps=True)
     return TextToVideoPipeline(pipe, settings=small.settings, source="random-large")
 
@@ -189,11 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--guidance-scale", type=float, default=None, help="CFG weight (model default if omitted)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     parser.add_argument("--online", action="store_true", help="ours fits its ratios online (no calibration run)")
-    parser.add_argument("--large-layers", type=int, default=8, help="blocks of the larger random Wan")
+    parser.add_argument("--large-layers", type=int, default=4, help="blocks of the larger random Wan")
     parser.add_argument("--large-width", type=int, default=384, help="hidden size of the larger random Wan")
     parser.add_argument("--large-size", type=int, default=64, help="frame height and width on the larger model")
     parser.add_argument("--large-frames", type=int, default=5, help="frames on the larger model (4k+1)")
-    parser.add_argument("--large-steps", type=int, default=None, help="steps on the larger model (default --steps)")
+    parser.add_argument("--large-steps", type=int, default=30, help="steps on the larger model (default 30)")
+    parser.add_argument("--large-guidance", type=float, default=1.0, help="CFG on the larger model (default 1: off)")
+    parser.add_argument("--large-vae", choices=("tiny", "embedded"), default="tiny",
+                        help="VAE of the larger model: a tiny random one (default) or the embedded one")
     parser.add_argument("--large-prompts", type=int, default=None, help="prompts on the larger model (default "
                         "--num-prompts)")
     parser.add_argument("--large-policies", default=",".join(RANDOM_POLICIES), help="random setup: cache specs")
@@ -223,12 +233,12 @@ def main(argv: list[str] | None = None) -> int:
                             [t for t in args.tasks.split(",") if t], _available(args.policies), items[1:], call,
                             score=args.model is None, calibrate_on=None if args.online else items[0][0])
     if "random" in setups:
-        large = large_random_pipeline(args.device, dtype, args.large_layers, args.large_width)
+        large = large_random_pipeline(args.device, dtype, args.large_layers, args.large_width, args.large_vae)
         large.set_progress_bar_config(disable=True)
         large_size = 64 if args.quick else args.large_size
         large_call = {**call, "height": large_size, "width": large_size,
                       "num_frames": 5 if args.quick else args.large_frames,
-                      "num_inference_steps": args.large_steps or args.steps}
+                      "num_inference_steps": args.large_steps, "guidance_scale": args.large_guidance}
         items = prompts_and_images((args.large_prompts or args.num_prompts) + 1, large_size, large_call["num_frames"])
         rows += bench_setup(f"random-wan-{args.large_layers}x{args.large_width}", {"t2v": large}, ["t2v"],
                             _available(args.large_policies), items[1:], large_call, score=False,
