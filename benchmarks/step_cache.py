@@ -1,7 +1,7 @@
 """Step-cache benchmark: no cache vs the public caches vs ours, one table from one run.
 
     python benchmarks/step_cache.py --setups embedded   # embedded model: 50 steps, 8 prompts, T2V + I2V
-    python benchmarks/step_cache.py --setups random     # a larger random-initialised Wan (compute-bound)
+    python benchmarks/step_cache.py --setups random     # random Wan 4x384 + tiny random VAE, 30 steps, CFG off
     python benchmarks/step_cache.py --steps 4 --num-prompts 1 --quick   # smoke run (tiny sizes, no claim)
 
 Rows: no cache, diffusers FirstBlockCache at two thresholds, MagCache (its own calibration run first), TaylorSeer,
