@@ -120,40 +120,75 @@ def _ring(local: torch.Tensor, pos: torch.Tensor, cp: ContextParallel, pad_to: i
 
 
 def _tiles(q_pos: torch.Tensor, k_pos: torch.Tensor, tile: int):
-    """Query ranges ``[lo, hi)`` of at most ``tile`` that see at least one key of the block (queries ascend, so a
-    tile ending before the block's first key sees none of it and is skipped)."""
-    k_first = int(k_pos.min())
+    """``(lo, hi, end)``: query ranges ``[lo, hi)`` of at most ``tile`` and the block keys ``[:end]`` they can see.
+    Queries and block positions ascend, so a tile sees a prefix of the block; a tile seeing none is skipped."""
     for lo in range(0, q_pos.shape[0], tile):
         hi = min(lo + tile, q_pos.shape[0])
-        if int(q_pos[hi - 1]) >= k_first:
-            yield lo, hi
+        end = int(torch.searchsorted(k_pos, q_pos[hi - 1 : hi], right=True))
+        if end:
+            yield lo, hi, end
 
 
-class _OnlineSoftmax:
-    """Running max, normaliser and weighted sum of values per (head, query), float32."""
+class _Merge:
+    """Partial attention results over disjoint key sets merged by log-sum-exp (the online softmax of ring and
+    flash attention): per (head, query) the normalised output so far and its log-sum-exp, float32."""
 
     def __init__(self, heads: int, queries: int, dv: int):
-        self.m = torch.full((heads, queries), float("-inf"))
-        self.l = torch.zeros(heads, queries)
+        self.lse = torch.full((heads, queries), float("-inf"))
         self.acc = torch.zeros(heads, queries, dv)
 
-    def update(self, lo: int, hi: int, scores: torch.Tensor, v: torch.Tensor, per_query: bool = False) -> None:
-        """scores (N, t, k) float32 with -inf where masked, for queries [lo, hi); v (k, N, dv) shared by the
-        queries (dense), or with ``per_query`` (t, k, dv): each query's own selected rows (sparse)."""
-        rows = slice(lo, hi)
-        m_old = self.m[:, rows]
-        m_new = torch.maximum(m_old, scores.amax(-1))
-        safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        p = torch.exp(scores - safe[..., None])
-        scale = torch.exp(m_old - safe)
-        self.l[:, rows] = self.l[:, rows] * scale + p.sum(-1)
-        weighted = torch.einsum("ntk,tkd->ntd" if per_query else "ntk,knd->ntd", p, v.float())
-        self.acc[:, rows] = self.acc[:, rows] * scale[..., None] + weighted
-        self.m[:, rows] = m_new
+    def update(self, lo: int, hi: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """out (N, t, dv) and lse (N, t), -inf where a query saw no key, for queries [lo, hi)."""
+        old = self.lse[:, lo:hi]
+        new = torch.logaddexp(old, lse)
+        safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)  # -inf only when neither saw a key
+        self.acc[:, lo:hi] = self.acc[:, lo:hi] * torch.exp(old - safe)[..., None] \
+            + out.float() * torch.exp(lse - safe)[..., None]
+        self.lse[:, lo:hi] = new
 
     def result(self) -> torch.Tensor:
         """(queries, N, dv)."""
-        return (self.acc / self.l[..., None]).permute(1, 0, 2)
+        return self.acc.permute(1, 0, 2)
+
+
+def _softmax_parts(scores: torch.Tensor, v: torch.Tensor, equation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores (N, t, k) float32, -inf where masked -> (softmax(scores) applied to v by ``equation``, lse (N, t))."""
+    lse = scores.logsumexp(-1)
+    p = torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    return torch.einsum(equation, p, v.float()), lse
+
+
+def _flash_cpu(q, k, v, scale: float, mask: torch.Tensor | None):
+    """PyTorch's fused CPU flash attention with its log-sum-exp (the kernel ``scaled_dot_product_attention``
+    runs on the CPU), or None where it does not apply (another device or dtype, or no such op in this torch)."""
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if op is None or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    width = max(q.shape[-1], v.shape[-1])  # the kernel needs one head size: zero columns change nothing
+    pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[-1]))  # noqa: E731
+    bias = None if mask is None else torch.where(mask, 0.0, float("-inf")).to(q.dtype)
+    out, lse = op(pad(q)[None], pad(k)[None], pad(v)[None], 0.0, False,
+                  attn_mask=None if bias is None else bias[None, None], scale=scale)
+    return out[0, ..., : v.shape[-1]], lse[0].float()
+
+
+def _block_attention(q, k, v, scale: float, mask: torch.Tensor | None, fused: bool = True):
+    """Attention of queries q (N, t, dq) over one block's keys k (N, s, dq) and values v (N, s, dv); mask (t, s)
+    bool (True = visible) or None for all visible. Returns (out (N, t, dv), lse (N, t) float32, -inf for a query
+    that sees no key). ``fused`` uses :func:`_flash_cpu` where it applies (about 5x faster than the unfused math
+    on one CPU thread, same values to float32 rounding), else matmul + softmax."""
+    parts = _flash_cpu(q, k, v, scale, mask) if fused else None
+    if parts is None:
+        scores = torch.einsum("ntd,nsd->nts", q, k).float() * scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return _softmax_parts(scores, v, "nts,nsd->ntd")
+    out, lse = parts
+    if mask is not None:  # the kernel reports lse 0 and output 0 for a fully masked query
+        lse = lse.masked_fill(~mask.any(-1), float("-inf"))
+    return out, lse
+
+
 class _RunningTopK:
     """Per query, the ``k`` best indexer scores seen so far and their positions (-1 where fewer keys were seen).
 
@@ -174,20 +209,24 @@ class _RunningTopK:
         self.positions[lo:hi] = torch.where(torch.isinf(best.values), -1, cand_pos.gather(1, best.indices))
 
 
-def _dense_attention(attn, q_nope, q_pe, pos, rows, cp, tile, pad_to) -> torch.Tensor:
-    """MLA over the whole causal prefix: ring of latent rows (n, r + dr), expanded form per block, online-softmax
-    merge. Returns (n, N, dv)."""
-    state = _OnlineSoftmax(attn.num_heads, q_nope.shape[0], attn.v_head_dim)
+def _dense_attention(attn, q_nope, q_pe, pos, rows, cp, tile, pad_to, fused: bool = True) -> torch.Tensor:
+    """MLA over the whole causal prefix: ring of latent rows (n, r + dr), expanded form per block (keys
+    ``[k_nope, k_pe]`` per head), log-sum-exp merge. Returns (n, N, dv)."""
+    heads = attn.num_heads
+    state = _Merge(heads, q_nope.shape[0], attn.v_head_dim)
+    query = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # (N, n, dn + dr)
 
     def visit(block, k_pos):
         c_kv, k_pe = block.to(q_nope.dtype).split([attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
-        kv = attn.kv_b_proj(c_kv).view(-1, attn.num_heads, attn.qk_nope_head_dim + attn.v_head_dim)
+        kv = attn.kv_b_proj(c_kv).view(-1, heads, attn.qk_nope_head_dim + attn.v_head_dim)
         k_nope, v = kv.split([attn.qk_nope_head_dim, attn.v_head_dim], dim=-1)
-        for lo, hi in _tiles(pos, k_pos, tile):
-            scores = torch.einsum("qnd,knd->nqk", q_nope[lo:hi], k_nope) \
-                + torch.einsum("qnd,kd->nqk", q_pe[lo:hi], k_pe)
-            causal = k_pos[None, :] <= pos[lo:hi, None]
-            state.update(lo, hi, (scores.float() * attn.softmax_scale).masked_fill(~causal, float("-inf")), v)
+        key = torch.cat([k_nope, k_pe[:, None].expand(-1, heads, -1)], dim=-1).transpose(0, 1)  # (N, k, dn + dr)
+        v = v.transpose(0, 1)
+        for lo, hi, end in _tiles(pos, k_pos, tile):
+            # Only tiles on the diagonal need a mask: every key of the cut block precedes every query otherwise.
+            mask = None if int(k_pos[end - 1]) <= int(pos[lo]) else k_pos[None, :end] <= pos[lo:hi, None]
+            state.update(lo, hi, *_block_attention(query[:, lo:hi], key[:, :end], v[:, :end], attn.softmax_scale,
+                                                   mask, fused))
 
     _ring(rows, pos, cp, pad_to, visit)
     return state.result()
@@ -205,11 +244,11 @@ def _select_topk(indexer, iq, weights, pos, keys, cp, tile, pad_to) -> torch.Ten
 
     def visit(block, k_pos):
         block = block.to(iq.dtype)[None]
-        for lo, hi in _tiles(pos, k_pos, tile):
-            visible = torch.searchsorted(k_pos, pos[lo:hi], right=True)  # block positions ascend
-            scores = indexer_scores_reference(iq[None, lo:hi], weights[None, lo:hi], block, visible[None],
-                                              indexer.softmax_scale)[0]  # (t, k) float32
-            best.merge(lo, hi, scores, k_pos)
+        for lo, hi, end in _tiles(pos, k_pos, tile):
+            visible = torch.searchsorted(k_pos[:end], pos[lo:hi], right=True)
+            scores = indexer_scores_reference(iq[None, lo:hi], weights[None, lo:hi], block[:, :end], visible[None],
+                                              indexer.softmax_scale)[0]  # (t, end) float32
+            best.merge(lo, hi, scores, k_pos[:end])
 
     _ring(keys, pos, cp, pad_to, visit)
     return best.positions
@@ -220,19 +259,19 @@ def _sparse_attention(attn, q_nope, q_pe, pos, rows, picked, cp, tile, pad_to) -
     :func:`metainfer_gen.kernels.sparse_mla`), to its ``picked`` (n, K) positions found in the block. Returns
     (n, N, dv)."""
     query = attn._absorb_query(q_nope, q_pe)  # (n, N, r + dr)
-    state = _OnlineSoftmax(attn.num_heads, q_nope.shape[0], attn.kv_lora_rank)
+    state = _Merge(attn.num_heads, q_nope.shape[0], attn.kv_lora_rank)
 
     def visit(block, k_pos):
-        for lo, hi in _tiles(pos, k_pos, tile):
+        for lo, hi, end in _tiles(pos, k_pos, tile):
             want = picked[lo:hi]  # (t, K)
-            at = torch.searchsorted(k_pos, want.clamp_min(0)).clamp_max(k_pos.shape[0] - 1)
+            at = torch.searchsorted(k_pos[:end], want.clamp_min(0)).clamp_max(end - 1)
             found = (want >= 0) & (k_pos[at] == want)
             if not bool(found.any()):
                 continue
             context = block[at].to(query.dtype)  # (t, K, r + dr)
             scores = torch.einsum("tnc,tkc->ntk", query[lo:hi], context)
             scores = (scores.float() * attn.softmax_scale).masked_fill(~found[None], float("-inf"))
-            state.update(lo, hi, scores, context[..., : attn.kv_lora_rank], per_query=True)
+            state.update(lo, hi, *_softmax_parts(scores, context[..., : attn.kv_lora_rank], "ntk,tkd->ntd"))
 
     _ring(rows, pos, cp, pad_to, visit)
     return attn._unabsorb(state.result().to(q_nope.dtype))
