@@ -43,6 +43,7 @@ class MLAttention(nn.Module):
         super().__init__()
         tp = tp or TensorParallel.single()
         self.layer_idx = layer_idx
+        self.site = f"layers.{layer_idx}.self_attn"  # audit call-site name, built once (dispatch is per step)
         self.num_heads = tp.split(config.num_attention_heads, "num_attention_heads")  # heads on this rank
         self.q_lora_rank = config.q_lora_rank
         self.kv_lora_rank = config.kv_lora_rank
@@ -94,15 +95,14 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        site = f"layers.{self.layer_idx}.self_attn"
-        q_pe = kernels.rope(q_pe.contiguous(), cos, sin, interleaved=self.rope_interleave, site=site)
+        q_pe = kernels.rope(q_pe.contiguous(), cos, sin, interleaved=self.rope_interleave, site=self.site)
         k_pe = kernels.rope(k_pe.reshape(num_tokens, 1, -1).contiguous(), cos, sin,
-                            interleaved=self.rope_interleave, site=site)
+                            interleaved=self.rope_interleave, site=self.site)
         return q_nope, q_pe, torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1), q_resid
 
     def _store(self, row: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         kernels.store_kv_cache(row.to(kv_cache.dtype), None, kv_cache, None, meta.slot_mapping,
-                               site=f"layers.{self.layer_idx}.self_attn")
+                               site=self.site)
 
     def _attend_dense(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache_rows: torch.Tensor,
                       meta: AttentionMetadata) -> torch.Tensor:
