@@ -11,8 +11,9 @@ of Megatron-LM / Llama 3 context parallelism), so causal work is balanced. Per l
 tokens (q, cache row), then for size steps works on the block it holds and passes it on (isend/irecv to the
 neighbours, overlapped with the work on the current block). Ring Attention: Liu et al. 2023, arXiv:2310.01889.
 
-- MLA (DeepSeek-V3): the block is the latent rows ``[c_kv, k_pe]``; each rank attends in the expanded form and
-  merges partial results with an online softmax (log-sum-exp), so no rank holds all scores.
+- MLA (DeepSeek-V3): the block is the latent rows ``[c_kv, k_pe]``; each rank attends in the expanded form, per
+  query tile over the keys the tile can see (PyTorch's fused CPU flash kernel where it applies, which returns the
+  log-sum-exp), and merges partial results by log-sum-exp (online softmax), so no rank holds all scores.
 - DSA (DeepSeek-V3.2, sparse top-k): a query may only attend to the ``index_topk`` keys the lightning indexer
   ranks highest over its *whole* causal prefix, which spans every rank. So the layer runs two rings: the first
   carries the indexer keys, and each rank keeps a running top-k (scores and positions) per query, merging each
