@@ -12,7 +12,8 @@ import torch
 from metainfer_gen.apps import doctor
 from metainfer_gen.apps.cli import main
 
-OPS = ("rms_norm", "fused_add_rms_norm", "rope", "adaln_modulate", "gated_residual", "store_kv_cache")
+OPS = ("rms_norm", "fused_add_rms_norm", "rope", "adaln_modulate", "gated_residual", "store_kv_cache",
+       "fp8_act_quant", "fp8_weight_dequant", "fp8_block_gemm", "indexer_topk", "sparse_mla")
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +35,7 @@ def test_doctor_prints_machine_versions_and_every_op(capsys):
         assert "refused triton: CPU-only machine" in out
         assert "rms_norm             runs compiled" in out  # example inputs are large enough to compile
         assert "store_kv_cache       runs torch" in out
-        assert "0 of 6 ops run their fastest path here" in out
+        assert f"0 of {len(OPS)} ops run their fastest path here" in out
 
 
 def test_strict_exits_nonzero_when_a_fast_path_is_refused(capsys):
@@ -53,7 +54,7 @@ def test_strict_exits_zero_when_every_op_runs_its_fastest_path(monkeypatch):
     out = io.StringIO()
     args = argparse.Namespace(strict=True, json=False, device=None, dtype=None)
     assert doctor.cmd_doctor(args, out=out) == 0
-    assert "6 of 6 ops run their fastest path here" in out.getvalue()
+    assert f"{len(OPS)} of {len(OPS)} ops run their fastest path here" in out.getvalue()
 
 
 def test_json_report_is_machine_readable(capsys):
