@@ -40,11 +40,12 @@ def build_text_encoder(seed: int = 0):
     return UMT5EncoderModel(config).eval().requires_grad_(False)
 
 
-def build_transformer(seed: int = 0):
+def build_transformer(seed: int = 0, **overrides):
+    """A randomly initialised ``WanTransformer3DModel`` of :data:`configs.TRANSFORMER_CONFIG` (``overrides`` win)."""
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(seed)
-    return WanTransformer3DModel(**configs.TRANSFORMER_CONFIG)
+    return WanTransformer3DModel(**{**configs.TRANSFORMER_CONFIG, **overrides})
 
 
 def build_scheduler():

@@ -37,9 +37,18 @@ def prompt_table(pipe) -> tuple[torch.Tensor, list[str]]:
     return embeds, prompts
 
 
-def shifted_sigmas(batch: int, shift: float, generator: torch.Generator) -> torch.Tensor:
+def shifted_sigmas(batch: int, shift: float, generator: torch.Generator, high_noise_fraction: float = 0.0,
+                   high_noise_floor: float = 0.9) -> torch.Tensor:
+    """Noise levels in [0, 1): ``shift * u / (1 + (shift - 1) * u)`` of a uniform ``u`` (SD3/Wan timestep shift);
+    a ``high_noise_fraction`` of them is instead uniform in ``[high_noise_floor, 1)``, the levels at which the
+    noisy latent barely shows the object's path, so only the prompt can (see ``demo_model.diagnose``)."""
     u = torch.rand(batch, generator=generator)
-    return shift * u / (1 + (shift - 1) * u)
+    sigma = shift * u / (1 + (shift - 1) * u)
+    if high_noise_fraction <= 0:  # draws nothing more: the default recipe's batches stay as they were
+        return sigma
+    high = torch.rand(batch, generator=generator) < high_noise_fraction
+    floor = high_noise_floor + (1 - high_noise_floor) * torch.rand(batch, generator=generator)
+    return torch.where(high, floor, sigma)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,6 +61,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="clips per step")
     parser.add_argument("--lr", type=float, default=5e-4, help="peak AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and batches")
+    parser.add_argument("--high-noise-fraction", type=float, default=0.0,
+                        help="share of clips trained at noise levels in [0.9, 1) on top of the shifted draw")
+    parser.add_argument("--image-fraction", type=float, default=0.5,
+                        help="share of clips conditioned on their clean first latent frame (image-to-video)")
+    parser.add_argument("--init-from", default=None,
+                        help="start from the transformer of this pipeline folder (fine-tuning; fresh optimiser)")
+    parser.add_argument("--attention-head-dim", type=int, default=configs.TRANSFORMER_CONFIG["attention_head_dim"],
+                        help="per-head width (heads = inner width / this); wider heads get more RoPE frequencies")
     args = parser.parse_args(argv)
 
     from diffusers import AutoencoderKLWan
@@ -64,7 +81,14 @@ def main(argv: list[str] | None = None) -> None:
     latents = (data["latents"] - torch.tensor(mean).view(1, -1, 1, 1, 1)) / torch.tensor(std).view(1, -1, 1, 1, 1)
     prompt_index = data["combo"] * len(TEMPLATES) + data["template"]
 
-    transformer = components.build_transformer(args.seed)
+    inner = configs.TRANSFORMER_CONFIG["num_attention_heads"] * configs.TRANSFORMER_CONFIG["attention_head_dim"]
+    transformer = components.build_transformer(args.seed, attention_head_dim=args.attention_head_dim,
+                                               num_attention_heads=inner // args.attention_head_dim)
+    if args.init_from:
+        from diffusers import WanTransformer3DModel
+
+        transformer.load_state_dict(WanTransformer3DModel.from_pretrained(Path(args.init_from) / "transformer")
+                                    .state_dict())
     pipe = components.assemble_pipeline(vae, transformer)
     embeds, prompts = prompt_table(pipe)
     ema = copy.deepcopy(transformer).requires_grad_(False)
@@ -83,10 +107,11 @@ def main(argv: list[str] | None = None) -> None:
         x0 = latents[index]
         text = prompt_index[index].clone()
         text[torch.rand(args.batch_size, generator=generator) < 0.1] = len(prompts) - 1
-        sigma = shifted_sigmas(args.batch_size, configs.SCHEDULER_CONFIG["shift"], generator)
+        sigma = shifted_sigmas(args.batch_size, configs.SCHEDULER_CONFIG["shift"], generator,
+                               args.high_noise_fraction)
         noise = torch.randn(x0.shape, generator=generator)
         xt = (1 - sigma.view(-1, 1, 1, 1, 1)) * x0 + sigma.view(-1, 1, 1, 1, 1) * noise
-        conditioned = torch.rand(args.batch_size, generator=generator) < 0.5
+        conditioned = torch.rand(args.batch_size, generator=generator) < args.image_fraction
         frame_weight = torch.ones(args.batch_size, 1, num_lat_frames, 1, 1)
         frame_weight[conditioned, :, 0] = 0.0
         xt = frame_weight * xt + (1 - frame_weight) * x0
