@@ -46,7 +46,8 @@ def add_demo_parser(subparsers) -> None:
                    help="weights dtype (default float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--fused-kernels", action="store_true", help="swap the fused kernels into the video transformer")
     p.add_argument("--lora-dir", default=None,
-                   help="folder of LoRA files (.safetensors, .bin) the page offers by name (default: no LoRA control)")
+                   help="folder of LoRA files (.safetensors, .bin) the page offers by name (default: the demo LoRAs "
+                        "shipped for the embedded model when --model is not given, else no LoRA control)")
     p.add_argument("--max-frames", type=int, default=defaults.max_frames,
                    help=f"most frames per clip (default {defaults.max_frames})")
     p.add_argument("--max-size", type=int, default=defaults.max_size,
@@ -91,8 +92,13 @@ def load_backend(args: argparse.Namespace, output_dir: Path):
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     notes: list[str] = []
-    if args.lora_dir is not None and not list_loras(args.lora_dir):  # a missing folder raises here, before loading
-        notes.append(f"No LoRA control: {args.lora_dir} holds no .safetensors or .bin file")
+    lora_dir = args.lora_dir
+    if lora_dir is None and args.model is None:
+        from metainfer_gen.pipelines.loading import default_lora_dir
+
+        lora_dir = default_lora_dir()  # trained for the embedded model only
+    if lora_dir is not None and not list_loras(lora_dir):  # a missing folder raises here, before loading
+        notes.append(f"No LoRA control: {lora_dir} holds no .safetensors or .bin file")
     t2v = pipelines.TextToVideoPipeline.from_pretrained(args.model, torch_dtype=dtype, device=args.device)
     if args.fused_kernels:
         t2v.enable_fused_kernels()
@@ -119,7 +125,7 @@ def load_backend(args: argparse.Namespace, output_dir: Path):
                 raise
             notes.append(f"The LLM tab is not shown: {type(exc).__name__}: {exc}")
     return DemoBackend(t2v=t2v, i2v=i2v, llm=llm, output_dir=output_dir, limits=limits_from_args(args), notes=notes,
-                       lora_dir=args.lora_dir)
+                       lora_dir=lora_dir)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from metainfer_gen.platform import default_device, default_dtype, looks_like_pat
 TEXT_TO_VIDEO = "text-to-video"
 IMAGE_TO_VIDEO = "image-to-video"
 DEFAULT_MODEL_DIR = "demo_wan"
+DEFAULT_LORA_DIR = "loras"  # LoRAs trained for the embedded model (style_navy, steps_4_8)
 SETTINGS_FILE = "metainfer_gen.json"
 
 
@@ -30,6 +31,12 @@ def default_model_path() -> Path:
             "`python -m metainfer_gen.video.demo_model.build`"
         )
     return path
+
+
+def default_lora_dir() -> Path | None:
+    """Folder of the demo LoRAs trained for the embedded model (None when the package ships none)."""
+    path = Path(str(resources.files("metainfer_gen.assets"))) / DEFAULT_LORA_DIR
+    return path if any(path.glob("*.safetensors")) else None
 
 
 def model_settings(path: str | Path | None) -> dict[str, Any]:

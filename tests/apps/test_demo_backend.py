@@ -225,3 +225,12 @@ def test_warm_up_runs_each_model_once_and_leaves_no_clip(backend):
         handle.remove()
     assert sorted(backend.output_dir.iterdir()) == before
     assert len(calls) == 4  # T2V and I2V (one shared transformer), 1 step each, CFG's two branches
+
+
+def test_the_embedded_model_offers_the_shipped_demo_loras_and_another_model_none(tiny_wan_dir, tmp_path):
+    from metainfer_gen.apps.demo import load_backend
+    from metainfer_gen.apps.demo_limits import list_loras
+
+    embedded = load_backend(demo_args(no_llm=True), tmp_path)
+    assert list_loras(embedded.lora_dir) == ["steps_4_8.safetensors", "style_navy.safetensors"]
+    assert load_backend(demo_args(model=tiny_wan_dir, no_llm=True), tmp_path).lora_dir is None
