@@ -3,6 +3,8 @@
     metainfer-gen render "a red circle moving right" -o clip.mp4
     metainfer-gen render "the blue square moves up" --image first_frame.png -o clip.mp4
     metainfer-gen render --prompts prompts.jsonl --out-dir clips/
+    torchrun --nproc-per-node 2 -m metainfer_gen.apps.cli render --prompts prompts.jsonl   # prompts split by rank
+    torchrun --nproc-per-node 2 -m metainfer_gen.apps.cli render "a red circle" --cfg-parallel -o clip.mp4
     metainfer-gen demo                      # the Gradio demo on http://127.0.0.1:7860
     metainfer-gen calibrate --model DIR     # the step cache's signal-to-error mapping, stored beside the model
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -69,6 +72,9 @@ def _add_render_parser(subparsers) -> None:
                    help="LoRA file or folder, optional weight (default 1.0); repeat for several. A prompt-file line's "
                         "'lora' field replaces these for that line")
     p.add_argument("--fused-kernels", action="store_true", help="swap the fused kernels into the transformer")
+    p.add_argument("--cfg-parallel", action="store_true",
+                   help="under torchrun (even number of ranks): each pair of ranks computes the conditional and "
+                        "unconditional passes of a clip side by side; with --prompts the pairs split the file")
     p.add_argument("--audit", action="store_true", help="print which kernel paths ran and why faster ones were refused")
     p.set_defaults(func=cmd_render)
 
@@ -124,6 +130,8 @@ def _pipeline_factory(args: argparse.Namespace) -> Callable[[str], Any]:
                 if args.fused_kernels:
                     pipe.enable_fused_kernels()
                 pipe.enable_step_cache(args.cache, calibration=args.cache_calibration)
+                if args.cfg_parallel:
+                    pipe.enable_cfg_parallel()
             loaded[task] = pipe
         return loaded[task]
 
@@ -135,10 +143,28 @@ def cmd_render(args: argparse.Namespace) -> int:
 
     with audit() as report:
         code = _render(args)
-    if args.audit:
+    if args.audit and os.environ.get("RANK", "0") == "0":
         print(report.summary() if report.num_calls else "kernel audit: no registry kernel ran "
               "(enable them with --fused-kernels)")
     return code
+
+
+def _start_ranks(args: argparse.Namespace):
+    """Under torchrun (WORLD_SIZE > 1): the collectives and this rank's device; None in a single process."""
+    from metainfer_gen.collectives import launched_world_size
+
+    if launched_world_size() == 1:
+        return None
+    from metainfer_gen.apps.render_ranks import RenderRanks
+
+    ranks = RenderRanks.start(cfg_parallel=args.cfg_parallel)
+    if args.prompts is None and ranks.dp_size > 1:
+        raise ValueError(f"one clip under torchrun uses one pair of ranks (--cfg-parallel, --nproc-per-node 2); got "
+                         f"{ranks.state.world_size} ranks{'' if args.cfg_parallel else ' without --cfg-parallel'}: "
+                         "use --prompts FILE to split a batch over more")
+    if args.device is None:
+        args.device = str(ranks.state.device)  # NCCL: each rank its own GPU
+    return ranks
 
 
 def _render(args: argparse.Namespace) -> int:
@@ -148,23 +174,33 @@ def _render(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompts is None):
         raise ValueError("give either a PROMPT or --prompts FILE (exactly one)")
     loras = [parse_lora_spec(spec) for spec in args.lora]  # a missing file fails here, before any loading
+    ranks = _start_ranks(args)
+    main_rank = ranks is None or ranks.is_main
     get_pipeline = _pipeline_factory(args)
     if args.prompts:
         jobs = parse_prompt_file(args.prompts, base_seed=args.seed, defaults=_call_args(args), loras=loras)
-        summary = render_batch(jobs, args.out_dir, get_pipeline, fmt=args.format, fps=args.fps)
-        print(json.dumps(summary.to_dict()))
-        return 0 if summary.failed == 0 else 1
+        summary = render_batch(jobs, args.out_dir, get_pipeline, fmt=args.format, fps=args.fps, progress=main_rank,
+                               shard=None if ranks is None else ranks.shard())
+        totals = summary.to_dict() if ranks is None else ranks.totals(summary)
+        if main_rank:
+            print(json.dumps(totals))
+        if ranks is not None:
+            ranks.close()
+        return 0 if totals["failed"] == 0 else 1
     if args.image is not None and not Path(args.image).exists():
         raise FileNotFoundError(f"--image {args.image} does not exist")
     check_output_path(args.output)
     job = RenderJob(line=0, prompt=args.prompt, seed=args.seed, image=args.image, call=_call_args(args))
     pipe = get_pipeline("text-to-video" if job.image is None else "image-to-video")
     for report in use_loras(pipe, loras):
-        print(report.summary())
+        if main_rank:
+            print(report.summary())
     if job.image is None:
         output = pipe(job.prompt, seed=job.seed, **job.call)
     else:
         output = pipe(job.image, job.prompt, seed=job.seed, **job.call)
+    if not main_rank:  # the CFG partner computed its branch; rank 0 writes the clip
+        return 0
     path = output.save(args.output, fps=args.fps)
     stats = output.stats
     cache = stats.cache

@@ -7,10 +7,18 @@ same command skips every clip already finished (file present and recorded in the
 a bad line or a failing clip is recorded with its error and the batch goes on. ``manifest.jsonl`` holds one
 line per job, rewritten atomically after each job, in prompt-file order. A line's ``lora`` (or the CLI's
 ``--lora``) LoRAs are swapped in per job on the one loaded model, and recorded with the job.
+
+Several processes (torchrun, see :mod:`metainfer_gen.apps.render_ranks`) share one batch through a :class:`Shard`
+each: they all read the manifest at the start, split the unfinished jobs round-robin (process ``i`` of ``n`` takes
+unfinished jobs ``i, i + n, ...``), and merge each record into the one ``manifest.jsonl`` under an exclusive
+``flock`` on ``.render.lock`` in the output folder (re-read, update, atomic rename). Per-rank part files merged at
+the end were the alternative; the shared file was chosen because it is complete at every moment: a kill loses no
+finished clip, and a rerun with any number of processes (one included) resumes from it unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -25,6 +33,7 @@ from metainfer_gen.video.export import umask_mode
 
 MANIFEST = "manifest.jsonl"
 TMP_MANIFEST_PREFIX = ".manifest."
+LOCK_NAME = ".render.lock"  # flocked by processes sharing the manifest; removed when their batch ends
 FORMATS = ("mp4", "gif", "png")
 _CALL_KEYS = ("negative_prompt", "num_frames", "height", "width", "num_inference_steps", "guidance_scale")
 _LINE_KEYS = {"prompt", "seed", "image", "name", "lora", *_CALL_KEYS}
@@ -162,7 +171,7 @@ def _remove_stale_temporaries(out_dir: Path, jobs: list[RenderJob]) -> None:
 
     prefixes = (TMP_MANIFEST_PREFIX, *(f".{job.name}." for job in jobs))
     for entry in out_dir.iterdir():
-        if not entry.name.startswith(prefixes):
+        if not entry.name.startswith(prefixes) and entry.name != LOCK_NAME:
             continue
         if entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
@@ -171,16 +180,40 @@ def _remove_stale_temporaries(out_dir: Path, jobs: list[RenderJob]) -> None:
 
 
 class Manifest:
-    """One JSON record per job in ``out_dir/manifest.jsonl``, rewritten atomically after every change."""
+    """One JSON record per job in ``out_dir/manifest.jsonl``, rewritten atomically after every change.
 
-    def __init__(self, out_dir: Path):
+    ``shared=True`` when several processes write it: each :meth:`write` then holds an exclusive ``flock`` on
+    ``out_dir/.render.lock`` and re-reads the file first, so records other processes wrote are kept.
+    """
+
+    def __init__(self, out_dir: Path, shared: bool = False):
         self.path = out_dir / MANIFEST
+        self.shared = shared
         self.records: dict[str, dict[str, Any]] = {}
+        self._load()
+
+    def _load(self) -> None:
+        self.records = {}
         if self.path.exists():
             for line in self.path.read_text(encoding="utf-8").splitlines():
                 if line.strip():
                     record = json.loads(line)
                     self.records[record["job_id"]] = record
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        if not self.shared:
+            yield
+            return
+        import fcntl
+
+        fd = os.open(self.path.parent / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._load()  # what the other processes wrote since this one last looked
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def finished(self, job: RenderJob, out_dir: Path, suffix: str) -> bool:
         """True when the job's clip was recorded ok in the format asked now and is still on disk."""
@@ -191,20 +224,25 @@ class Manifest:
         return clip.is_file() if suffix else clip.is_dir()
 
     def write(self, order: list[RenderJob], record: dict[str, Any] | None = None) -> None:
-        """Store ``record`` (if given) and rewrite the file with the jobs of ``order`` first, in that order."""
-        if record is not None:
-            self.records[record["job_id"]] = record
-        ids = [job.job_id for job in order]
-        lines = [json.dumps(self.records[i]) for i in ids if i in self.records]
-        current = set(ids)
-        lines += [json.dumps(r) for i, r in self.records.items() if i not in current]  # earlier prompt files
-        fd, tmp = tempfile.mkstemp(prefix=TMP_MANIFEST_PREFIX, dir=self.path.parent)
-        os.fchmod(fd, umask_mode())  # mkstemp makes 0600; the manifest is as readable as any file the user writes
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        """Store ``record`` (if given) and rewrite the file with the jobs of ``order`` first, in that order, each
+        with its line number in the current prompt file (lines may have moved since a clip was rendered)."""
+        with self._exclusive():
+            if record is not None:
+                self.records[record["job_id"]] = record
+            for job in order:
+                if job.job_id in self.records:
+                    self.records[job.job_id]["line"] = job.line
+            ids = [job.job_id for job in order]
+            lines = [json.dumps(self.records[i]) for i in ids if i in self.records]
+            current = set(ids)
+            lines += [json.dumps(r) for i, r in self.records.items() if i not in current]  # earlier prompt files
+            fd, tmp = tempfile.mkstemp(prefix=TMP_MANIFEST_PREFIX, dir=self.path.parent)
+            os.fchmod(fd, umask_mode())  # mkstemp makes 0600; the manifest is as readable as any file the user writes
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write("\n".join(lines) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
 
 
 def use_loras(pipe, specs: list[tuple[str, float]]) -> list:
@@ -213,6 +251,45 @@ def use_loras(pipe, specs: list[tuple[str, float]]) -> list:
     if not specs and not getattr(pipe, "list_loras", list)():
         return []
     return pipe.loras.use(specs)
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """This process's part of a batch that several processes render together (one process: the defaults).
+
+    Attributes:
+        index / count: this process takes the unfinished jobs ``index, index + count, ...`` (prompt-file order).
+        writes: False on a CFG-parallel partner: it computes its branch of the same jobs; its peer saves the clips
+            and the records.
+        sync: returns once every process of the batch has called it (a barrier). Called after the folder is
+            cleaned, after every process has read the manifest (so all split the same unfinished jobs) and at
+            the end.
+    Raises:
+        ValueError: ``count < 1`` or ``index`` outside ``[0, count)``.
+    """
+
+    index: int = 0
+    count: int = 1
+    writes: bool = True
+    sync: Callable[[], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or not 0 <= self.index < self.count:
+            raise ValueError(f"shard index {self.index} of {self.count}: need count >= 1 and 0 <= index < count")
+
+    @property
+    def leader(self) -> bool:
+        """The process that cleans the folder and counts the jobs finished earlier."""
+        return self.index == 0 and self.writes
+
+    @property
+    def shared(self) -> bool:
+        """True when other processes write the same folder."""
+        return self.count > 1 or self.sync is not None
+
+    def wait(self) -> None:
+        if self.sync is not None:
+            self.sync()
 
 
 @dataclass(slots=True)
@@ -235,6 +312,7 @@ def render_batch(
     fmt: str = "mp4",
     fps: float | None = None,
     progress: bool = True,
+    shard: Shard | None = None,
 ) -> BatchSummary:
     """Render every unfinished job; record each result in the manifest as soon as it is known.
 
@@ -242,24 +320,35 @@ def render_batch(
         get_pipeline: ``task -> pipeline`` ("text-to-video" or "image-to-video"), called lazily so a batch of
             text prompts never builds an image-to-video pipeline.
         fmt: "mp4", "gif" or "png" (a folder of frames per clip).
+        shard: this process's part when several render the batch (records then carry ``"dp_rank"``); default
+            all of it.
+    Returns:
+        this process's counts (``skipped`` counted by the leader only; zeros on a CFG partner).
+    Raises:
+        ValueError: an unknown format (before any work).
     """
     from tqdm.auto import tqdm
 
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}; got {fmt!r}")
+    shard = Shard() if shard is None else shard
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(out_dir, jobs)
-    manifest = Manifest(out_dir)
+    if shard.leader:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(out_dir, jobs)
+    shard.wait()  # nobody reads the folder before it is clean
+    manifest = Manifest(out_dir, shared=shard.shared)
     summary = BatchSummary(manifest=str(manifest.path))
     suffix = "" if fmt == "png" else f".{fmt}"
-    for job in tqdm(jobs, desc="render", unit="clip", disable=not progress):
-        if manifest.finished(job, out_dir, suffix):
-            manifest.records[job.job_id]["line"] = job.line  # the line may have moved since it was rendered
-            summary.skipped += 1
-            continue
+    pending = [job for job in jobs if not manifest.finished(job, out_dir, suffix)]
+    shard.wait()  # every process has read the same manifest, so all split the same pending list
+    if shard.leader:
+        summary.skipped = len(jobs) - len(pending)
+    for job in tqdm(pending[shard.index::shard.count], desc="render", unit="clip", disable=not progress):
         record: dict[str, Any] = {"job_id": job.job_id, "line": job.line, "prompt": job.prompt, "seed": job.seed,
                                   "image": job.image, "settings": job.call, "path": job.name + suffix}
+        if shard.shared:
+            record["dp_rank"] = shard.index
         started = time.perf_counter()
         try:
             if job.error:
@@ -274,14 +363,21 @@ def render_batch(
                 output = pipe(job.prompt, seed=job.seed, **job.call)
             else:
                 output = pipe(job.image, job.prompt, seed=job.seed, **job.call)
-            output.save(out_dir / record["path"], fps=fps)
+            if shard.writes:
+                output.save(out_dir / record["path"], fps=fps)
             record.update(status="ok", settings=output.settings, stats=output.stats.to_dict())
             summary.rendered += 1
         except Exception as exc:  # noqa: BLE001 - one failing clip must not stop the batch; the error is recorded
             record.update(status="error", error=f"{type(exc).__name__}: {exc}")
             summary.failed += 1
         record["seconds"] = round(time.perf_counter() - started, 3)
-        manifest.write(jobs, record)
+        if shard.writes:
+            manifest.write(jobs, record)
     if summary.skipped:
         manifest.write(jobs)  # skipped jobs may have moved in the prompt file: keep the manifest in its order
+    shard.wait()  # the batch is done when every process is
+    if shard.leader and shard.shared:
+        (out_dir / LOCK_NAME).unlink(missing_ok=True)
+    if not shard.writes:
+        summary.rendered = summary.failed = 0  # the peer that saved the clips counts them
     return summary

@@ -22,6 +22,7 @@ _EXPORTS = {
     "shutdown_distributed": "metainfer_gen.collectives.distributed",
     "get_state": "metainfer_gen.collectives.distributed",
     "is_initialized": "metainfer_gen.collectives.distributed",
+    "launched_world_size": "metainfer_gen.collectives.distributed",
     "DistributedState": "metainfer_gen.collectives.distributed",
     "GroupHandle": "metainfer_gen.collectives.distributed",
     "all_reduce": "metainfer_gen.collectives.allreduce",

@@ -23,7 +23,7 @@ import socket
 from dataclasses import dataclass, field
 
 __all__ = ["DistributedState", "GroupHandle", "TIMEOUT_ENV", "free_port", "get_state", "init_distributed",
-           "is_initialized", "shutdown_distributed"]
+           "is_initialized", "launched_world_size", "shutdown_distributed"]
 
 TIMEOUT_ENV = "METAINFER_COLLECTIVES_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0
@@ -100,6 +100,18 @@ def _env_int(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def launched_world_size() -> int:
+    """``WORLD_SIZE`` as torchrun set it, 1 when unset (reads the environment only; initialises nothing).
+
+    Raises:
+        ValueError: a value that is not a positive integer.
+    """
+    world = _env_int("WORLD_SIZE", 1)
+    if world < 1:
+        raise ValueError(f"environment variable WORLD_SIZE={world} is not a positive integer")
+    return world
 
 
 def _check_size(name: str, value) -> int:
