@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=2 python benchmarks/llm_throughput.py              # embedded LLM + a larger random DeepSeek-V3
     python benchmarks/llm_throughput.py --quick                        # small shapes (smoke run)
+    python benchmarks/llm_throughput.py --models embedded --concurrency 64 --no-prefix-cache   # one row pair
 
 For each model and each concurrency C (requests arriving together; prompts of mixed lengths, fixed output
 length so both sides do the same work), one table row per implementation: input tokens/s and output tokens/s
@@ -14,6 +15,7 @@ cache: TTFT of a request with a shared 1,024-token prefix, cold (first) vs warm 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -25,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from metainfer_gen.llm import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from table import print_table  # noqa: E402  (benchmarks/ is on the path when a script here runs)
 
 LARGE = dict(vocab_size=4096, hidden_size=384, intermediate_size=1024, moe_intermediate_size=192, num_hidden_layers=6,
              num_attention_heads=8, num_key_value_heads=8, n_shared_experts=1, n_routed_experts=16,
@@ -85,8 +88,19 @@ def run_ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int):
     return seconds, [o.ttft for o in outputs], [o.token_ids for o in outputs]
 
 
+def set_stacked_experts(engine: LLMEngine, enabled: bool) -> None:
+    """Routed experts as grouped GEMMs over stacked weights (True, the default) or the per-expert loop."""
+    from metainfer_gen.llm.layers.moe import MoE
+
+    for module in engine.model.modules():
+        if isinstance(module, MoE) and enabled:
+            module.pack_experts()
+        elif isinstance(module, MoE):
+            module.unpack_experts()
+
+
 def throughput_rows(name: str, path: Path, concurrencies: list[int], lengths: tuple[int, int], new_tokens: int,
-                    engine_config: EngineConfig) -> list[list[str]]:
+                    engine_config: EngineConfig, expert_loop: bool = False) -> list[list[str]]:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -102,12 +116,17 @@ def throughput_rows(name: str, path: Path, concurrencies: list[int], lengths: tu
         n_in, n_out = sum(map(len, prompts)), c * new_tokens
         results = {"transformers": run_transformers(hf, prompts, new_tokens, pad_id=0),
                    "ours": run_ours(engine, prompts, new_tokens)}
-        same = sum(a == b for a, b in zip(results["ours"][2], results["transformers"][2])) / c
+        if expert_loop:
+            engine.block_manager.reset_prefix_cache()
+            set_stacked_experts(engine, False)
+            results["ours, expert loop"] = run_ours(engine, prompts, new_tokens)
+            set_stacked_experts(engine, True)
         base = results["transformers"][0]
-        for impl, (seconds, ttft, _) in results.items():
+        for impl, (seconds, ttft, tokens) in results.items():
+            same = sum(a == b for a, b in zip(tokens, results["transformers"][2])) / c
             rows.append([name, str(c), impl, f"{n_in / seconds:,.0f}", f"{n_out / seconds:,.1f}",
                          f"{percentile(ttft, 0.5) * 1e3:,.0f}", f"{percentile(ttft, 0.95) * 1e3:,.0f}",
-                         f"{base / seconds:.2f}x", f"{same:.0%}" if impl == "ours" else "-"])
+                         f"{base / seconds:.2f}x", f"{same:.0%}" if impl != "transformers" else "-"])
     return rows
 
 
@@ -126,43 +145,53 @@ def prefix_cache_rows(path: Path, prefix_len: int, engine_config: EngineConfig, 
              f"{cold.ttft / warm_ttft:.1f}x"]]
 
 
-def print_table(header: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in rows:
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes and counts (smoke run)")
     parser.add_argument("--model", default=None, help="checkpoint to use instead of the embedded LLM")
     parser.add_argument("--new-tokens", type=int, default=32, help="output tokens per request")
+    parser.add_argument("--models", default="embedded,random-large",
+                        help="comma-separated subset of embedded,random-large (throughput rows)")
+    parser.add_argument("--concurrency", default=None,
+                        help="comma-separated request counts (default 1,16,64; --quick 1,4)")
+    parser.add_argument("--no-prefix-cache", action="store_true", help="skip the prefix-cache TTFT table")
+    parser.add_argument("--expert-loop", action="store_true",
+                        help="add a row: our engine with the routed experts in the per-expert loop (the path "
+                             "before grouped experts), same prompts, same run")
     args = parser.parse_args(argv)
+    names = args.models.split(",")
+    if not set(names) <= {"embedded", "random-large"}:
+        parser.error(f"--models takes embedded and/or random-large; got {args.models!r}")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from metainfer_gen.pipelines.text_generation import default_llm_dir
 
     torch.manual_seed(0)
-    concurrencies = [1, 4] if args.quick else [1, 16, 64]
+    concurrencies = [int(c) for c in args.concurrency.split(",")] if args.concurrency else \
+        ([1, 4] if args.quick else [1, 16, 64])
+    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     new_tokens = 4 if args.quick else args.new_tokens
     tmp = Path(tempfile.mkdtemp(prefix="llm_bench_"))
     large = {**LARGE, **(dict(hidden_size=128, num_hidden_layers=2, vocab_size=512) if args.quick else {})}
     config = AutoConfig.for_model("deepseek_v3", bos_token_id=None, eos_token_id=None, **large)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp / "large")
+    if "random-large" in names or not args.no_prefix_cache:
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp / "large")
     models = [("embedded", Path(args.model) if args.model else default_llm_dir(), (32, 256)),
               ("random-large", tmp / "large", (64, 512))]
+    models = [m for m in models if m[0] in names]
     engine_config = EngineConfig(block_size=16, max_num_seqs=64, max_num_batched_tokens=2048)
     rows = []
     for name, path, lengths in models:
         if args.quick:
             lengths = (8, 32)
-        rows += throughput_rows(name, path, concurrencies, lengths, new_tokens, engine_config)
+        rows += throughput_rows(name, path, concurrencies, lengths, new_tokens, engine_config, args.expert_loop)
     print(f"threads={torch.get_num_threads()}, output tokens per request={new_tokens}, prompts uniform in the "
-          f"given range; ratio = transformers seconds / ours")
+          f"given range; ratio = transformers seconds / ours; load average before: {load}, after: "
+          + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
     print_table(["model", "C", "impl", "input tok/s", "output tok/s", "TTFT p50 ms", "TTFT p95 ms",
                  "total vs HF", "same tokens"], rows)
+    if args.no_prefix_cache:
+        return
     prefix_len = 128 if args.quick else 1024
     print()
     print_table(["prompt", "prefix cache", "TTFT ms", "cached tokens", "speedup"],

@@ -32,6 +32,7 @@ _EXPORTS = {
     "fp8_linear": "metainfer_gen.kernels.fp8_gemm",
     "indexer_topk": "metainfer_gen.kernels.indexer",
     "sparse_mla": "metainfer_gen.kernels.sparse_attention",
+    "moe_experts": "metainfer_gen.kernels.moe",
     "audit": "metainfer_gen.kernels.audit_log",
     "global_audit": "metainfer_gen.kernels.audit_log",
     "Audit": "metainfer_gen.kernels.audit_log",

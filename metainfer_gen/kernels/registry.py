@@ -51,6 +51,7 @@ BUILTIN_KERNEL_MODULES: list[str] = [
     "metainfer_gen.kernels.fp8_gemm",
     "metainfer_gen.kernels.indexer",
     "metainfer_gen.kernels.sparse_attention",
+    "metainfer_gen.kernels.moe",
 ]
 
 Example = Callable[[str, Any], tuple[tuple, dict]]

@@ -184,7 +184,8 @@ def load_model(path: Path, config, *, dtype: torch.dtype, device: torch.device, 
 
     ``quantization="fp8"`` reads the checkpoint in float32 (an FP8 checkpoint dequantised exactly), quantises
     each rank's shard of the eligible linear weights to fp8 with 128x128 block scales, and casts the rest to
-    ``dtype``.
+    ``dtype``. Last, each MoE layer's routed experts are stacked for grouped GEMMs
+    (:func:`~metainfer_gen.llm.layers.moe.pack_moe_experts`; fp8 experts stay per expert).
 
     Raises:
         RuntimeError: missing, unexpected or wrongly shaped weights (names listed).
@@ -194,6 +195,7 @@ def load_model(path: Path, config, *, dtype: torch.dtype, device: torch.device, 
 
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be None or one of {QUANTIZATION_METHODS}; got {quantization!r}")
+    from metainfer_gen.llm.layers.moe import pack_moe_experts
     from metainfer_gen.llm.models.deepseek_v3 import DeepseekV3ForCausalLM, RotaryTables
 
     with torch.device("meta"):
@@ -205,4 +207,6 @@ def load_model(path: Path, config, *, dtype: torch.dtype, device: torch.device, 
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary = RotaryTables(config, max_positions)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    pack_moe_experts(model)  # routed experts as grouped GEMMs over stacked weights (views: no extra memory)
+    return model

@@ -13,7 +13,9 @@ from metainfer_gen.apps import doctor
 from metainfer_gen.apps.cli import main
 
 OPS = ("rms_norm", "fused_add_rms_norm", "rope", "adaln_modulate", "gated_residual", "store_kv_cache",
-       "fp8_act_quant", "fp8_weight_dequant", "fp8_block_gemm", "indexer_topk", "sparse_mla")
+       "fp8_act_quant", "fp8_weight_dequant", "fp8_block_gemm", "indexer_topk", "sparse_mla", "moe_experts")
+# Ops whose fastest implementation is plain torch, so it runs on a CPU-only machine too.
+TORCH_FASTEST = ("moe_experts",)
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +37,8 @@ def test_doctor_prints_machine_versions_and_every_op(capsys):
         assert "refused triton: CPU-only machine" in out
         assert "rms_norm             runs compiled" in out  # example inputs are large enough to compile
         assert "store_kv_cache       runs torch" in out
-        assert f"0 of {len(OPS)} ops run their fastest path here" in out
+        assert "moe_experts          runs grouped" in out
+        assert f"{len(TORCH_FASTEST)} of {len(OPS)} ops run their fastest path here" in out
 
 
 def test_strict_exits_nonzero_when_a_fast_path_is_refused(capsys):

@@ -10,6 +10,12 @@ Tensor parallelism: the dense MLP and the shared experts split their intermediat
 column-parallel, down row-parallel); the routed experts are split whole across ranks (expert parallelism: rank
 ``r`` of ``s`` holds experts ``e`` with ``e * s // E == r``, contiguous ranges), the router is replicated, and one
 all-reduce sums the routed and shared partial outputs of a MoE layer.
+
+Routed experts run through :func:`metainfer_gen.kernels.moe_experts` (tokens sorted by expert once, then a padded
+``bmm`` or GEMMs per contiguous run; the per-expert reference loop stays registered), which needs each rank's
+expert weights stacked: :func:`pack_moe_experts` (called by the loader once the weights are in place) stacks them
+and makes every expert's ``weight`` a view of the stack, so names, checkpoints and memory stay as they were.
+Experts that cannot be stacked (fp8 block-scaled weights) run the reference loop over their modules.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metainfer_gen.kernels.moe import moe_experts, moe_experts_loop
 from metainfer_gen.llm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from metainfer_gen.llm.parallel import TensorParallel
 
@@ -80,11 +87,14 @@ def local_experts(num_experts: int, tp: TensorParallel) -> list[int]:
     return [e for e in range(num_experts) if e * tp.size // num_experts == tp.rank]
 
 
+_SITE = "llm.MoE.experts"
+
+
 class MoE(nn.Module):
     """Routed experts + shared experts; ``forward`` (T, hidden) -> (T, hidden).
 
     ``experts`` is a ``ModuleDict`` keyed by the global expert id (``"0"``, ``"1"``, ...), so parameter names match
-    the checkpoint's ``mlp.experts.N.*`` and a rank holds only its own experts.
+    the checkpoint's ``mlp.experts.N.*`` and a rank holds only its own experts (ids ``first_expert`` onwards).
     Raises:
         ValueError: fewer routed experts than ranks, or shared-expert width not divisible by the size.
     """
@@ -96,27 +106,69 @@ class MoE(nn.Module):
             raise ValueError(f"n_routed_experts={config.n_routed_experts} is below tensor_parallel_size={tp.size}: "
                              f"some ranks would hold no expert")
         self.gate = TopKRouter(config)
-        self.experts = nn.ModuleDict({str(e): MLP(config.hidden_size, config.moe_intermediate_size)
-                                      for e in local_experts(config.n_routed_experts, tp)})
+        local = local_experts(config.n_routed_experts, tp)
+        self.first_expert = local[0]
+        self.experts = nn.ModuleDict({str(e): MLP(config.hidden_size, config.moe_intermediate_size) for e in local})
         self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, tp=tp,
                                   reduce=False)
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13, w2), see pack_experts
+
+    @torch.no_grad()
+    def pack_experts(self) -> bool:
+        """Stack the local experts into ``w13`` (E_local, 2I, H) (gate rows, then up rows) and ``w2``
+        (E_local, H, I), and make each expert's ``weight`` parameters views of them (no second copy).
+
+        Call again after replacing expert weights; moving the module (``.to()``) re-packs by itself. Returns False,
+        leaving the experts unstacked (reference loop), when a weight is not a dense float tensor (fp8) or is on
+        the meta device.
+        """
+        mlps = list(self.experts.values())
+        layers = [(m.gate_proj, m.up_proj, m.down_proj) for m in mlps]
+        if any(not lin.weight.is_floating_point() or lin.weight.element_size() < 2 or lin.weight.is_meta
+               for trio in layers for lin in trio):
+            self._stacked = None
+            return False
+        w13 = torch.stack([torch.cat([g.weight, u.weight]) for g, u, _ in layers])
+        w2 = torch.stack([d.weight for _, _, d in layers])
+        size = w2.shape[2]
+        for e, (gate, up, down) in enumerate(layers):
+            for lin, view in ((gate, w13[e, :size]), (up, w13[e, size:]), (down, w2[e])):
+                lin.weight = nn.Parameter(view, requires_grad=lin.weight.requires_grad)
+        self._stacked = (w13, w2)
+        return True
+
+    def unpack_experts(self) -> None:
+        """Run the per-expert reference loop again (the weights stay views of the stack; ``pack_experts`` undoes
+        this)."""
+        self._stacked = None
+
+    def _apply(self, fn, recurse=True):
+        # .to()/.half() give every parameter its own storage: stack again so the views and the stack stay one.
+        module = super()._apply(fn, recurse)
+        if self._stacked is not None:
+            self.pack_experts()
+        return module
+
+    def _stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stack, if the first and last experts still view it (a replaced weight turns stacking off)."""
+        if self._stacked is None:
+            return None
+        w13, w2 = self._stacked
+        first, last = self.experts[str(self.first_expert)], self.experts[str(self.first_expert + len(w2) - 1)]
+        if first.gate_proj.weight.data_ptr() != w13.data_ptr() or last.down_proj.weight.data_ptr() != w2[-1].data_ptr():
+            return None
+        return w13, w2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        out = torch.zeros_like(x)
-        # Group the (token, slot) pairs by expert with one sort, then one matmul chain per local expert that
-        # received tokens (a grouped GEMM on GPU is the FP8 issue's business).
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.gate.num_experts).tolist()
-        token_of = order // ids.shape[1]
-        weight_of = weights.flatten()[order]
-        start = 0
-        for expert_id, count in enumerate(counts):
-            end = start + count
-            if count and str(expert_id) in self.experts:  # others are held by other ranks
-                tokens = token_of[start:end]
-                y = self.experts[str(expert_id)](x[tokens]) * weight_of[start:end, None]
-                out.index_add_(0, tokens, y.to(x.dtype))
-            start = end
+        weights, ids = self.gate(x)  # (T, k) float32, (T, k) int64
+        stacked = self._stacked_weights()
+        if stacked is not None:
+            out = moe_experts(x, weights, ids, *stacked, self.first_expert, site=_SITE)
+        else:
+            out = moe_experts_loop(x, weights, ids, self.first_expert, list(self.experts.values()))
         return self.tp.all_reduce(out + self.shared_experts(x))
+
+
+def pack_moe_experts(model: nn.Module) -> int:
+    """:meth:`MoE.pack_experts` on every MoE layer of ``model``; returns how many were stacked."""
+    return sum(module.pack_experts() for module in model.modules() if isinstance(module, MoE))

@@ -1,0 +1,115 @@
+"""MoE layer benchmark: the per-expert loop (the engine's earlier path) vs grouped experts, in one run.
+
+    OMP_NUM_THREADS=1 python benchmarks/moe.py                # embedded-LLM and random-large MoE shapes
+    OMP_NUM_THREADS=1 python benchmarks/moe.py --quick        # fewer token counts and repeats
+
+For each shape and token count T (decode steps of T sequences, prefill chunks), the whole layer (router, routed
+experts, shared experts) is timed with the routed experts run by the old loop over the expert modules and by the
+grouped path (:func:`metainfer_gen.kernels.moe_experts`: one sort, then a padded ``bmm`` or GEMMs per expert run);
+then the routed experts alone, reference vs grouped, and which grouped path ran. Old and new alternate within each repeat and
+the median is reported, so load on a shared machine hits both; the load average is printed with the table. The max
+abs difference between the two outputs is printed (float32: both compute the same sum).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from metainfer_gen.kernels import moe  # noqa: E402
+from metainfer_gen.llm.layers.moe import MoE  # noqa: E402
+from table import print_table  # noqa: E402  (benchmarks/ is on the path when a script here runs)
+
+SHAPES = {
+    "embedded": dict(hidden_size=128, moe_intermediate_size=96, n_routed_experts=8, num_experts_per_tok=2,
+                     n_group=2, topk_group=1, n_shared_experts=1),
+    "random-large": dict(hidden_size=384, moe_intermediate_size=192, n_routed_experts=16, num_experts_per_tok=4,
+                         n_group=4, topk_group=2, n_shared_experts=1),
+}
+
+
+def make_layer(shape: dict, seed: int = 0) -> MoE:
+    torch.manual_seed(seed)
+    layer = MoE(SimpleNamespace(norm_topk_prob=True, routed_scaling_factor=2.5, **shape))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, shape["hidden_size"] ** -0.5)
+        layer.gate.e_score_correction_bias.normal_(0, 0.01)
+    layer.pack_experts()
+    return layer.eval()
+
+
+def old_forward(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The layer as it was: router, loop over the expert modules, shared experts."""
+    weights, ids = layer.gate(x)
+    routed = moe.moe_experts_loop(x, weights, ids, layer.first_expert, list(layer.experts.values()))
+    return routed + layer.shared_experts(x)
+
+
+def paired_median(fns: list, repeats: int, inner: int) -> list[float]:
+    """Median seconds per call of each function, the functions alternating within every repeat."""
+    times: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
+        fn()  # warm-up
+    for _ in range(repeats):
+        for k, fn in enumerate(fns):
+            start = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            times[k].append((time.perf_counter() - start) / inner)
+    return [statistics.median(t) for t in times]
+
+
+def rows_for(name: str, shape: dict, tokens: list[int], repeats: int) -> list[list[str]]:
+    layer = make_layer(shape)
+    w13, w2 = layer._stacked
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, shape["hidden_size"])
+        with torch.inference_mode():
+            weights, ids = layer.gate(x)
+            inner = max(1, 32 // t)  # windows of about a millisecond: preemption hits old and new alike
+            old, new, ref, grouped = paired_median([
+                lambda: old_forward(layer, x), lambda: layer(x),
+                lambda: moe.moe_experts_reference(x, weights, ids, w13, w2),
+                lambda: moe.moe_experts_grouped(x, weights, ids, w13, w2)], repeats, inner)
+            err = (old_forward(layer, x) - layer(x)).abs().max().item()
+            counts = torch.bincount(ids.flatten(), minlength=w13.shape[0])
+        pairs = t * ids.shape[1]
+        path = "padded" if pairs <= moe.PADDED_MAX_PAIRS and \
+            w13.shape[0] * int(counts.max()) <= moe.PADDED_MAX_WASTE * pairs else "runs"
+        rows.append([name, str(t), f"{old * 1e6:,.0f}", f"{new * 1e6:,.0f}", f"{old / new:.2f}x",
+                     f"{ref * 1e6:,.0f}", f"{grouped * 1e6:,.0f}", f"{ref / grouped:.2f}x", path,
+                     str(int((counts == 0).sum())), f"{err:.1e}"])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="token counts 16 and 256, 11 repeats")
+    parser.add_argument("--repeats", type=int, default=41, help="alternating repeats per row (median reported)")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {list(SHAPES)}")
+    args = parser.parse_args(argv)
+    tokens = [16, 256] if args.quick else [1, 16, 64, 256, 2048]
+    repeats = 11 if args.quick else args.repeats
+    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    rows = []
+    for name in args.shapes.split(","):
+        rows += rows_for(name, SHAPES[name], tokens, repeats)
+    print(f"threads={torch.get_num_threads()}, float32, load average before: {load}, after: "
+          + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
+    print_table(["shape", "T", "layer old us", "layer new us", "layer speedup", "experts ref us",
+                 "experts grouped us", "experts speedup", "grouped path", "idle experts", "max abs diff"], rows)
+
+
+if __name__ == "__main__":
+    main()
