@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # fp8_agreement, beside this file
 
 from metainfer_gen import kernels  # noqa: E402
 from metainfer_gen.kernels.fp8_gemm import FP8_BLOCK_GEMM, fp8_block_gemm_reference  # noqa: E402
@@ -61,50 +62,13 @@ def run(m: int, k: int, n: int, device: str, repeats: int) -> dict:
                 fp8_ms=fp8_ms, bf16_ms=bf16_ms, flops=2 * m * k * n)
 
 
-def agreement(model_path: str, num_new: int = 32) -> dict:
-    """Greedy-token agreement of FP8 weights with bf16 on a checkpoint: free-running (both generate) and
-    teacher-forced (each position's argmax given the bf16 continuation), plus linear-weight bytes."""
-    from metainfer_gen.llm import EngineConfig, LLMEngine, SamplingParams
-    from metainfer_gen.llm.attention_metadata import AttentionMetadata
-    from metainfer_gen.llm.fp8 import weight_bytes
-
-    texts = ["the pass key is 4821. remember it. the grass is green. what is the pass key? the pass key is",
-             "once upon a time", "The capital of France is", "the quick brown fox", "In the morning the children",
-             "The weather today", "She opened the door and", "He said that the"]
-    params = SamplingParams(max_new_tokens=num_new, temperature=0.0, ignore_eos=True)
-    base = LLMEngine.from_pretrained(model_path, EngineConfig(dtype="bfloat16", block_size=16))
-    fp8 = LLMEngine.from_pretrained(model_path, EngineConfig(dtype="bfloat16", block_size=16, quantization="fp8"))
-    ref = base.generate(texts, params)
-    got = fp8.generate(texts, params)
-    free = sum(a == b for r, g in zip(ref, got) for a, b in zip(r.token_ids, g.token_ids)) / (len(texts) * num_new)
-    same = total = 0
-    for text, r in zip(texts, ref):
-        ids = base.encode(text) + r.token_ids
-        meta = AttentionMetadata.build([0], [len(ids)], [list(range(len(ids) // 16 + 1))], 16)
-        with torch.inference_mode():
-            picks = [e.model.compute_logits(e.model(torch.tensor(ids), meta, e.runner.kv_caches)).argmax(-1)
-                     for e in (base, fp8)]
-        new = slice(len(ids) - num_new - 1, len(ids) - 1)  # predictions of the generated tokens
-        same += int((picks[0][new] == picks[1][new]).sum())
-        total += num_new
-    return dict(free=free, forced=same / total, bf16_bytes=weight_bytes(base.model).linear_weight_bytes,
-                fp8_bytes=weight_bytes(fp8.model).linear_weight_bytes)
-
-
-def print_agreement(model_path: str) -> None:
-    a = agreement(model_path)
-    print(f"FP8 vs bf16 weights on {model_path}: teacher-forced greedy agreement {a['forced']:.1%}, free-running "
-          f"{a['free']:.1%}; linear weights {a['bf16_bytes']} -> {a['fp8_bytes']} bytes "
-          f"({a['fp8_bytes'] / a['bf16_bytes']:.2f}x, scales included)")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     parser.add_argument("--quick", action="store_true", help="only the small shapes")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per measurement")
     parser.add_argument("--model", default=None, help="also measure FP8-vs-bf16 greedy agreement and weight bytes on "
-                        "this checkpoint (e.g. metainfer_gen/assets/demo_llm)")
+                        "this checkpoint (e.g. metainfer_gen/assets/demo_llm; see benchmarks/fp8_agreement.py)")
     args = parser.parse_args(argv)
     rows = [run(*s, args.device, args.repeats) for s in (QUICK if args.quick else SHAPES)]
     print(f"fp8 block GEMM on {args.device} ({torch.get_num_threads()} CPU thread(s)); errors are relative Frobenius")
@@ -116,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['fp8_ms']:>9.3f} {r['bf16_ms']:>9.3f} {r['flops'] / r['fp8_ms'] / 1e6:>9.1f} "
               f"{r['flops'] / r['bf16_ms'] / 1e6:>10.1f} {r['bf16_ms'] / r['fp8_ms']:>6.2f}x")
     if args.model:
+        from fp8_agreement import print_agreement
+
         print_agreement(args.model)
     return 0
 

@@ -9,8 +9,11 @@ limit) score ``-inf``. The top ``min(topk, L)`` keys are kept per query; when a 
 the surplus entries are returned as ``-1`` (padding, never attended), so top-k >= length gives exactly dense
 attention and short sequences never index out of range (the crash public indexers had below top-k).
 
-The Triton kernel computes the scores (one program per query and block of keys, heads reduced in registers);
-``torch.topk`` then selects on both paths, so the two differ only in the scores' float32 rounding.
+Three paths, fastest first: the Triton kernel computes the scores (one program per query and block of keys, heads
+reduced in registers) and ``torch.topk`` selects; the tiled torch path (:mod:`metainfer_gen.kernels.indexer_tiled`:
+query x key tiles of bounded size, keys upcast per tile, top-k per query tile) runs wherever Triton does not; the
+reference below materialises every per-head score and stays as the ground truth. All three compute the scores in
+float32 in the same operation order, so they differ only in float32 rounding.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ import torch
 
 from metainfer_gen.kernels.common import (_sum_combine, contiguous_refusal, first_refusal, lazy_triton_kernel, pow2_at_least,
                                           triton_refusal)
+from metainfer_gen.kernels.fp8_quant import FP8_DTYPE, fp8_arithmetic_refusal
+from metainfer_gen.kernels.indexer_tiled import indexer_topk_tiled
 from metainfer_gen.kernels.registry import Op, register_op
 
-__all__ = ["indexer_scores_reference", "indexer_topk", "indexer_topk_reference", "select_topk"]
+__all__ = ["indexer_scores_reference", "indexer_topk", "indexer_topk_reference", "select_topk", "topk_overlap"]
 
 
 def indexer_scores_reference(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor,
@@ -46,6 +51,24 @@ def select_topk(scores: torch.Tensor, lengths: torch.Tensor, topk: int) -> torch
 
 def indexer_topk_reference(q, weights, keys, lengths, topk: int, scale: float) -> torch.Tensor:
     return select_topk(indexer_scores_reference(q, weights, keys, lengths, scale), lengths, topk)
+
+
+def topk_overlap(picked: torch.Tensor, reference: torch.Tensor) -> float:
+    """Fraction of the reference's selected keys that ``picked`` also selected, over all queries.
+
+    Both (..., k) int64 with ``-1`` padding (as :func:`indexer_topk` returns them); 1.0 when nothing was selected.
+    """
+    ref = reference.reshape(-1, reference.shape[-1])
+    got = picked.reshape(-1, picked.shape[-1])
+    if ref.numel() == 0 or got.numel() == 0:
+        return 1.0 if int((ref >= 0).sum()) == 0 else 0.0
+    width = int(max(ref.max(), got.max())) + 2  # column width + 1 catches the -1 padding
+    chosen = torch.zeros(ref.shape[0], width, dtype=torch.bool, device=ref.device)
+    chosen.scatter_(1, got.masked_fill(got < 0, width - 1), True)
+    real = ref >= 0
+    hits = chosen.gather(1, ref.masked_fill(~real, width - 1)) & real
+    total = int(real.sum())
+    return 1.0 if total == 0 else int(hits.sum()) / total
 
 
 # Bound on the first kernel build (triton is imported lazily); kernels look names up in module globals.
@@ -115,6 +138,7 @@ def _triton_supports(q, weights, keys, lengths, topk, scale) -> str | None:
         contiguous_refusal("q", q), contiguous_refusal("weights", weights), contiguous_refusal("lengths", lengths),
         None if keys.stride(-1) == 1 else f"key rows are strided (stride {tuple(keys.stride())})",
         None if q.shape[2] * q.shape[3] * 4 <= 65536 else "q row over 64 KB: one program holds all heads",
+        fp8_arithmetic_refusal(keys) if keys.dtype == FP8_DTYPE else None,
     )
 
 
@@ -129,6 +153,8 @@ def _example(device: str, dtype: torch.dtype):
 INDEXER_TOPK = register_op(Op("indexer_topk", "DSA lightning-indexer scores and per-query top-k", _example))
 INDEXER_TOPK.register("triton", indexer_topk_triton, _triton_supports,
                       description="scores per (query, 32 keys) with all heads in one tl.dot; torch.topk")
+INDEXER_TOPK.register("torch-tiled", indexer_topk_tiled,
+                      description="float32 scores per query x key tile (keys upcast per tile), top-k per query tile")
 INDEXER_TOPK.register("torch", indexer_topk_reference, description="matmul, relu, head-weighted sum, torch.topk")
 
 
@@ -138,7 +164,8 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, len
 
     Args:
         q: (B, n, H, D) indexer queries (rotated). weights: (B, n, H) per-head weights (times ``H ** -0.5``).
-        keys: (B, L, D) indexer keys of each batch row's context (a padded gather for decode batches).
+        keys: (B, L, D) indexer keys of each batch row's context (a padded gather for decode batches), as the cache
+            holds them: float32/bfloat16/float16 or float8_e4m3fn (upcast to float32 for scoring on every path).
         lengths: (B, n) int64, keys visible to each query (``position + 1``); keys at index >= length are ignored.
         topk: keys kept per query (``index_topk``); clamped to L.
         scale: ``index_head_dim ** -0.5``.
@@ -147,7 +174,8 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, len
         (B, n, min(topk, L)) int64 indices into each row's keys, best first, ``-1`` for padding.
     Raises:
         ValueError: inconsistent shapes, or topk < 1.
-    Tolerance: the paths pick the same keys unless two scores tie within float32 rounding (about 1e-6 relative).
+    Tolerance: the paths pick the same keys unless two scores tie within float32 rounding (about 1e-6 relative);
+    :func:`topk_overlap` measures how many they share.
     """
     if q.ndim != 4 or weights.shape != q.shape[:3] or keys.ndim != 3 or keys.shape[0] != q.shape[0] \
             or keys.shape[2] != q.shape[3] or lengths.shape != q.shape[:2]:

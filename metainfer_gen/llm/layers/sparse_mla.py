@@ -62,7 +62,7 @@ class SparseMLAttention(MLAttention):
         query = self._absorb_query(q_nope, q_pe)  # (T, N, r + dr)
         out = query.new_empty(x.shape[0], self.num_heads, self.kv_lora_rank)
         for tokens, slots, lengths in self._groups(meta):
-            keys = gather_rows(rows, slots)[..., self.latent_size:].to(iq.dtype)  # (B, L, D)
+            keys = gather_rows(rows[:, self.latent_size:], slots)  # (B, L, D) as cached; scored in float32
             b, n = lengths.shape
             picked = self.indexer.select(iq[tokens].view(b, n, *iq.shape[1:]), weights[tokens].view(b, n, -1),
                                          keys, lengths)  # (B, n, k) positions in each row's context
