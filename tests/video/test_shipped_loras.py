@@ -1,8 +1,8 @@
 """The demo LoRAs shipped for the embedded model do what they were trained for, on the embedded model itself.
 
 Figures on 24 held-out prompts are in build logs and the README; here two prompts each, few steps, so the test
-stays a few seconds: the style LoRA moves the background to its navy at weight 1.0 and not at 0.0, and the
-step-reduction LoRA draws the prompted colour in 4 unguided steps.
+stays under a minute: the style LoRA moves the background to its navy at weight 1.0 and not at 0.0, and the
+step-reduction LoRA's 4 unguided steps land near the 30-step guided clip where the base model's do not.
 """
 
 from __future__ import annotations
@@ -43,10 +43,14 @@ def test_style_lora_moves_the_background_to_navy_at_weight_1_only(pipe):
     assert distance[0.0] > distance[1.0] + 0.08, distance
 
 
-def test_step_lora_draws_the_prompted_colour_in_4_unguided_steps(pipe):
+def test_step_lora_follows_the_30_step_model_in_4_unguided_steps_where_the_base_cannot(pipe):
+    teacher = lora_eval.render(pipe, PROMPTS, num_inference_steps=30)  # the model it was distilled from
+    base = lora_eval.render(pipe, PROMPTS, num_inference_steps=4, guidance_scale=1.0)
     pipe.load_lora(LORAS / "steps_4_8.safetensors", adapter_name="steps")
     try:
         clips = lora_eval.render(pipe, PROMPTS, num_inference_steps=4, guidance_scale=1.0)
     finally:
         pipe.unload_lora("steps")
+    # Measured: 25.6 dB for the LoRA against 19.7 dB for the base model at 4 steps (the base draws almost no object).
+    assert lora_eval.fidelity(clips, teacher)["psnr"] > lora_eval.fidelity(base, teacher)["psnr"] + 3.0
     assert [read_clip(clip).colour for clip in clips] == [combo[0] for _, combo in PROMPTS]
