@@ -36,7 +36,8 @@ def latent_centroids(latents: torch.Tensor, threshold: float = 0.5) -> torch.Ten
     ``threshold`` times its maximum in that frame.
 
     Args:
-        latents: (B, C, F, H, W) float, raw or normalised (any per-channel affine map gives the same centroids).
+        latents: (B, C, F, H, W) float, raw or normalised; compare centroids only between latents in the same space
+            (a per-channel scale reweights the channel norm, so raw and normalised centroids differ slightly).
     Returns:
         (B, F, 2) float32; NaN where a frame has no object pixel.
     """
