@@ -17,6 +17,8 @@ from metainfer_gen.video.rules import VideoRules
 
 # Call arguments with a default from the model's settings file or, failing that, from the diffusers signature.
 _SHAPE_ARGS = ("num_frames", "height", "width", "num_inference_steps", "guidance_scale")
+# Further diffusers call arguments a model's settings file may fix (the length its transformer was trained to read).
+_MODEL_ARGS = ("max_sequence_length",)
 
 
 class VideoPipelineBase:
@@ -240,6 +242,10 @@ class VideoPipelineBase:
         if generator is None and seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int; got {seed!r}")
         steps = call_kwargs["num_inference_steps"]
+        accepted = inspect.signature(self.diffusers_pipeline.__call__).parameters
+        for name in _MODEL_ARGS:
+            if name in self.settings and name in accepted:
+                call_kwargs.setdefault(name, self.settings[name])
         session = self.step_cache.session(self.diffusers_pipeline, steps) if self.step_cache else nullcontext(None)
         with audit() as report:
             cfg_session = nullcontext(None)

@@ -213,6 +213,26 @@ def test_save_pretrained_round_trip_gives_identical_frames(t2v, tmp_path):
     np.testing.assert_array_equal(reloaded(PROMPT, num_frames=9, seed=5, **SMALL).frames, expected)
 
 
+def test_the_settings_file_fixes_the_prompt_length_the_model_was_trained_at(t2v, tmp_path):
+    import json
+
+    from metainfer_gen.pipelines.loading import SETTINGS_FILE
+
+    t2v.diffusers_pipeline.save_pretrained(str(tmp_path / "short"))
+    (tmp_path / "short" / SETTINGS_FILE).write_text(json.dumps({"max_sequence_length": 8}))
+    short = quiet(TextToVideoPipeline.from_pretrained(tmp_path / "short", device="cpu"))
+    lengths = []
+    short.diffusers_pipeline.transformer.register_forward_pre_hook(
+        lambda _m, _a, kw: lengths.append(kw["encoder_hidden_states"].shape[1]), with_kwargs=True)
+
+    out = short(PROMPT, num_frames=5, seed=5, **SMALL)
+    assert set(lengths) == {8}  # the prompt embedding the transformer reads: 8 rows, not diffusers' 512
+    np.testing.assert_array_equal(out.frames, t2v(PROMPT, num_frames=5, seed=5, max_sequence_length=8, **SMALL).frames)
+    assert not np.array_equal(out.frames, t2v(PROMPT, num_frames=5, seed=5, **SMALL).frames)
+    short(PROMPT, num_frames=5, seed=5, max_sequence_length=12, **SMALL)  # an explicit argument wins
+    assert lengths[-1] == 12
+
+
 def test_missing_path_raises_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing"):
         TextToVideoPipeline.from_pretrained(tmp_path / "missing", device="cpu")

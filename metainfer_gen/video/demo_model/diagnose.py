@@ -73,7 +73,7 @@ def swapped_prompts(combos: list[tuple[str, str, str]], word: str | None) -> lis
 
 @torch.no_grad()
 def diagnose(pipeline_dir: str, work_dir: str, num_clips: int = 64, sigmas=(0.3, 0.6, 0.8, 0.9, 0.97, 0.99),
-             seed: int = 0) -> dict:
+             seed: int = 0, text_length: int = 512) -> dict:
     """Both readings on the first ``num_clips`` training clips; returns ``{"t2v": ..., "i2v": ..., "motion": ...}``
     where t2v/i2v map ``sigma`` to ``{prompt variant: loss}`` and motion maps ``sigma`` to per-frame centroid
     errors (latent pixels) with the static guess's errors."""
@@ -94,7 +94,7 @@ def diagnose(pipeline_dir: str, work_dir: str, num_clips: int = 64, sigmas=(0.3,
     embeds = {}
     for word in variants:
         embeds[word or "true"], _ = pipe.encode_prompt(swapped_prompts(combos, word), do_classifier_free_guidance=False,
-                                                       max_sequence_length=512, device=torch.device("cpu"))
+                                                       max_sequence_length=text_length, device=torch.device("cpu"))
     noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(seed))
     frames, height, width = x0.shape[2:]
     per_frame = (height // 2) * (width // 2)
@@ -127,8 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("pipeline_dir", help="pipeline folder (train_transformer's --out-dir)")
     parser.add_argument("--work-dir", default="build/demo_model/transformer", help="train_transformer's work dir")
     parser.add_argument("--num-clips", type=int, default=64, help="training clips to measure on")
+    parser.add_argument("--text-length", type=int, default=512, help="max_sequence_length the model was trained at")
     args = parser.parse_args(argv)
-    result = diagnose(args.pipeline_dir, args.work_dir, args.num_clips)
+    result = diagnose(args.pipeline_dir, args.work_dir, args.num_clips, text_length=args.text_length)
     for task in ("t2v", "i2v"):
         print(f"{task}: loss per prompt variant (a word the model reads raises the loss when swapped)")
         for sigma, losses in result[task].items():

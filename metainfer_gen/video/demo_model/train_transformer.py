@@ -28,11 +28,14 @@ from metainfer_gen.video.demo_model.latents import encode_shards, latent_statist
 
 
 @torch.no_grad()
-def prompt_table(pipe) -> tuple[torch.Tensor, list[str]]:
-    """Embeddings (P + 1, 512, text_dim) of every training prompt (combo-major, template-minor), then ""."""
+def prompt_table(pipe, text_length: int = 512) -> tuple[torch.Tensor, list[str]]:
+    """Embeddings (P + 1, text_length, text_dim) of every training prompt (combo-major, template-minor), then "".
+
+    Past each prompt's tokens the pipeline pads with zero rows up to ``text_length`` (``max_sequence_length``), and
+    Wan's cross-attention has no mask, so the padding takes a share of every attention softmax."""
     prompts = [t.format(colour=c, shape=s, direction=d) for c, s, d in training_combinations() for t in TEMPLATES]
     prompts.append("")
-    embeds, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=512,
+    embeds, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=text_length,
                                    device=torch.device("cpu"))
     return embeds, prompts
 
@@ -69,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="start from the transformer of this pipeline folder (fine-tuning; fresh optimiser)")
     parser.add_argument("--attention-head-dim", type=int, default=configs.TRANSFORMER_CONFIG["attention_head_dim"],
                         help="per-head width (heads = inner width / this); wider heads get more RoPE frequencies")
+    parser.add_argument("--text-length", type=int, default=512,
+                        help="max_sequence_length of the prompt embeddings (real tokens + zero padding)")
     args = parser.parse_args(argv)
 
     from diffusers import AutoencoderKLWan
@@ -90,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         transformer.load_state_dict(WanTransformer3DModel.from_pretrained(Path(args.init_from) / "transformer")
                                     .state_dict())
     pipe = components.assemble_pipeline(vae, transformer)
-    embeds, prompts = prompt_table(pipe)
+    embeds, prompts = prompt_table(pipe, args.text_length)
     ema = copy.deepcopy(transformer).requires_grad_(False)
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.99))
     run = ResumableRun(work_dir, transformer, optimizer)
