@@ -224,10 +224,14 @@ def _dense_attention(attn, q_nope, q_pe, pos, rows, cp, tile, pad_to, fused: boo
         key = torch.cat([k_nope, k_pe[:, None].expand(-1, heads, -1)], dim=-1).transpose(0, 1)  # (N, k, dn + dr)
         v = v.transpose(0, 1)
         for lo, hi, end in _tiles(pos, k_pos, tile):
-            # Only tiles on the diagonal need a mask: every key of the cut block precedes every query otherwise.
-            mask = None if int(k_pos[end - 1]) <= int(pos[lo]) else k_pos[None, :end] <= pos[lo:hi, None]
-            state.update(lo, hi, *_block_attention(query[:, lo:hi], key[:, :end], v[:, :end], attn.softmax_scale,
-                                                   mask, fused))
+            # Keys up to the tile's first query are visible to all of its queries: no mask, the kernel's fast
+            # case. Only the rest (the diagonal, at most a tile's width) gets a mask; the log-sum-exp merge joins
+            # the two parts. One masked call over the whole prefix was 3x slower on a 16K single-rank prefill.
+            full = int(torch.searchsorted(k_pos[:end], pos[lo:lo + 1], right=True))
+            for start, stop, mask in ((0, full, None), (full, end, k_pos[None, full:end] <= pos[lo:hi, None])):
+                if stop > start:
+                    state.update(lo, hi, *_block_attention(query[:, lo:hi], key[:, start:stop], v[:, start:stop],
+                                                           attn.softmax_scale, mask, fused))
 
     _ring(rows, pos, cp, pad_to, visit)
     return state.result()

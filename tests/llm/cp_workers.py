@@ -53,9 +53,12 @@ def _case(cp, case: dict) -> dict:
     path, prompt, new = Path(case["path"]), case["prompt"], case["max_new_tokens"]
     model = load_model(path, load_config(path), dtype=torch.float32, device=torch.device("cpu"),
                        max_positions=len(prompt) + new + 1, tp=TensorParallel.single())
-    start = time.perf_counter()
-    result = cp_prefill(model, prompt, cp, tile=case.get("tile", 512))
-    out = {"seconds": time.perf_counter() - start, "logits": result.logits.tolist(),
+    times = []
+    for _ in range(case.get("repeats", 1)):  # the first prefill of a process also pays its first-touch page faults
+        start = time.perf_counter()
+        result = cp_prefill(model, prompt, cp, tile=case.get("tile", 512))
+        times.append(time.perf_counter() - start)
+    out = {"seconds": min(times), "first_seconds": times[0], "logits": result.logits.tolist(),
            "shard": len(cp.shard(len(prompt))), "row": result.latents[0].shape[1]}
     if "layout" in case["decode"]:
         out["tokens"] = _layout_decode(model, prompt, result, new)
