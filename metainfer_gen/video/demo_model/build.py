@@ -6,7 +6,8 @@ Run after ``train_transformer``::
 
 Writes ``metainfer_gen/assets/demo_wan/`` (diffusers layout, safetensors) and ``metainfer_gen.json`` beside
 ``model_index.json``: the default ``num_frames``, size, steps, guidance and fps that the pipelines, CLI and demo
-use when the caller gives none.
+use when the caller gives none, and the ``max_sequence_length`` the transformer was trained at (from the
+``metainfer_gen.json`` that ``train_transformer`` wrote).
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     shutil.copytree(args.pipeline_dir, target)
     for part in HALF_PRECISION_PARTS:
         store_half(target / part)
-    settings = dict(DEFAULT_SETTINGS, num_inference_steps=args.num_inference_steps,
-                    guidance_scale=args.guidance_scale)
+    trained = target / SETTINGS_FILE  # what train_transformer fixed (the prompt length the model reads)
+    settings = dict(DEFAULT_SETTINGS, **(json.loads(trained.read_text()) if trained.exists() else {}),
+                    num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale)
     (target / SETTINGS_FILE).write_text(json.dumps(settings, indent=1) + "\n")
     size = sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
     if size > MAX_BYTES:

@@ -73,7 +73,7 @@ def swapped_prompts(combos: list[tuple[str, str, str]], word: str | None) -> lis
 
 @torch.no_grad()
 def diagnose(pipeline_dir: str, work_dir: str, num_clips: int = 64, sigmas=(0.3, 0.6, 0.8, 0.9, 0.97, 0.99),
-             seed: int = 0, text_length: int = 512) -> dict:
+             seed: int = 0, text_length: int | None = None) -> dict:
     """Both readings on the first ``num_clips`` training clips; returns ``{"t2v": ..., "i2v": ..., "motion": ...}``
     where t2v/i2v map ``sigma`` to ``{prompt variant: loss}`` and motion maps ``sigma`` to per-frame centroid
     errors (latent pixels) with the static guess's errors."""
@@ -81,7 +81,10 @@ def diagnose(pipeline_dir: str, work_dir: str, num_clips: int = 64, sigmas=(0.3,
 
     from metainfer_gen.video.demo_model.latents import SHARD_SIZE, load_shards
 
+    from metainfer_gen.pipelines.loading import model_settings
+
     pipe = WanPipeline.from_pretrained(pipeline_dir)
+    text_length = text_length or model_settings(pipeline_dir).get("max_sequence_length", 512)
     transformer = pipe.transformer.eval()
     shards = sorted((Path(work_dir) / "shards").glob("shard_*.pt"))
     data = load_shards(shards[:-(-num_clips // SHARD_SIZE)])
@@ -127,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("pipeline_dir", help="pipeline folder (train_transformer's --out-dir)")
     parser.add_argument("--work-dir", default="build/demo_model/transformer", help="train_transformer's work dir")
     parser.add_argument("--num-clips", type=int, default=64, help="training clips to measure on")
-    parser.add_argument("--text-length", type=int, default=512, help="max_sequence_length the model was trained at")
+    parser.add_argument("--text-length", type=int, default=None,
+                        help="max_sequence_length the model was trained at (default: its metainfer_gen.json, else 512)")
     args = parser.parse_args(argv)
     result = diagnose(args.pipeline_dir, args.work_dir, args.num_clips, text_length=args.text_length)
     for task in ("t2v", "i2v"):

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.guidance = args.guidance if args.guidance is not None else pipe.default("guidance_scale")
     student_steps = [int(k) for k in args.student_steps.split(",")]
     data = teacher_shards(pipe, work_dir, args, args.num_prompts, student_steps)
-    embeds, _ = prompt_table(pipe.diffusers_pipeline)
+    embeds, _ = prompt_table(pipe.diffusers_pipeline, pipe.default("max_sequence_length"))
     sigmas = {k: schedule(pipe.diffusers_pipeline, k) for k in student_steps}
 
     def batch_loss(transformer, generator):

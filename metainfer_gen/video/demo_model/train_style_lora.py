@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     pipe = lora_training.load_pipeline(args.model)
     frames, size = args.num_frames or pipe.default("num_frames"), args.size or pipe.default("height")
     data = encoded_data(pipe, work_dir, args.num_clips, frames, size, args.seed)
-    embeds, prompts = prompt_table(pipe.diffusers_pipeline)
+    embeds, prompts = prompt_table(pipe.diffusers_pipeline, pipe.default("max_sequence_length"))
     shift = pipe.diffusers_pipeline.scheduler.config.shift
 
     def batch_loss(transformer, generator):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 from pathlib import Path
 
 import torch
@@ -136,6 +137,13 @@ def main(argv: list[str] | None = None) -> None:
             run.maybe_save(force=True)
     final = components.assemble_pipeline(vae, ema.eval(), text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer)
     components.save_pipeline(final, args.out_dir)
+    # Call defaults, so the folder renders as it trained (17 frames of 64x64, not Wan's 81 of 480x832), with the
+    # prompt-embedding length the transformer reads.
+    from metainfer_gen.pipelines.loading import SETTINGS_FILE
+    from metainfer_gen.video.demo_model.build import DEFAULT_SETTINGS
+
+    settings = dict(DEFAULT_SETTINGS, max_sequence_length=args.text_length)
+    (Path(args.out_dir) / SETTINGS_FILE).write_text(json.dumps(settings, indent=1) + "\n")
     print(f"saved {args.out_dir}", flush=True)
 
 
