@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     for part in HALF_PRECISION_PARTS:
         store_half(target / part)
     trained = target / SETTINGS_FILE  # what train_transformer fixed (the prompt length the model reads)
-    settings = dict(DEFAULT_SETTINGS, **(json.loads(trained.read_text()) if trained.exists() else {}),
-                    num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale)
+    settings = {**DEFAULT_SETTINGS, **(json.loads(trained.read_text()) if trained.exists() else {}),
+                "num_inference_steps": args.num_inference_steps, "guidance_scale": args.guidance_scale}
     (target / SETTINGS_FILE).write_text(json.dumps(settings, indent=1) + "\n")
     size = sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
     if size > MAX_BYTES:

@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="start from the transformer of this pipeline folder (fine-tuning; fresh optimiser)")
     parser.add_argument("--attention-head-dim", type=int, default=configs.TRANSFORMER_CONFIG["attention_head_dim"],
                         help="per-head width (heads = inner width / this); wider heads get more RoPE frequencies")
-    parser.add_argument("--text-length", type=int, default=512,
-                        help="max_sequence_length of the prompt embeddings (real tokens + zero padding)")
+    parser.add_argument("--text-length", type=int, default=configs.TEXT_MAX_LENGTH,
+                        help="max_sequence_length of the prompt embeddings (real tokens + zero padding); the "
+                             "shipped model: 16 (512, diffusers' Wan default, halved its direction accuracy)")
     args = parser.parse_args(argv)
 
     from diffusers import AutoencoderKLWan
