@@ -67,6 +67,22 @@ def test_budget_stops_reuse_and_error_accumulates():
     assert decisions[4].reason == Reason.OVER_BUDGET
 
 
+@pytest.mark.parametrize("prior, expected_drift", [((1.0, 3.0), 0.01), ((1.0, 0.5), 0.005), ((1.0, None), 0.01)])
+def test_reused_steps_extrapolate_whenever_they_can_and_the_budget_counts_the_smaller_drift(prior, expected_drift):
+    config = StepCacheConfig(error_budget=1.0, num_warmup_steps=2, max_consecutive_reuses=10)
+    book = BranchBook()
+    for step, signal in enumerate([None, 0.01]):
+        assert not book.decide(config, step, 10, signal, can_extrapolate=False, prior=prior).reuse
+        book.computed(config, None if step == 0 else 0.01, None)
+    decision = book.decide(config, 2, 10, 0.01, can_extrapolate=True, prior=prior)
+    assert decision.reuse and decision.extrapolate  # even where extrapolation is predicted to drift more
+    assert decision.predicted_error == pytest.approx(expected_drift)
+    assert not book.decide(StepCacheConfig(error_budget=1.0, extrapolate=False), 3, 10, 0.01, can_extrapolate=True,
+                           prior=prior).extrapolate
+    one_residual = BranchBook(num_computed=2, reuse_ratio=1.0)
+    assert not one_residual.decide(config, 2, 10, 0.01, can_extrapolate=False).extrapolate
+
+
 def test_calibration_trusts_a_larger_ratio_at_once_and_blends_a_smaller_one():
     config = StepCacheConfig(calibration_momentum=0.5)
     book = BranchBook()

@@ -39,8 +39,9 @@ class StepCacheConfig:
         num_warmup_steps: computed steps per branch before any reuse (>= 1); at least two are needed to calibrate.
         max_consecutive_reuses: cap on reused steps in a row per branch (>= 1).
         compute_last_step: always compute the final step (needs the step count, which our pipelines pass).
-        extrapolate: use first-order extrapolation of the residual from the last two computed steps, when its
-            online-measured error is below that of plain reuse.
+        extrapolate: on every reused step after two computed ones, add the first-order extrapolation of the
+            residual from the last two computed steps (in timestep) instead of the last residual; the budget counts
+            the smaller of the two predicted errors.
         calibration_momentum: weight of the previous ratio when a new one is measured, in [0, 1).
         signal: ``"input"`` (cheapest, default) or ``"first_block"`` (one block per reused step, more robust
             without a calibration).
