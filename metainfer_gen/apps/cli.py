@@ -170,6 +170,7 @@ def _start_ranks(args: argparse.Namespace):
 def _render(args: argparse.Namespace) -> int:
     from metainfer_gen.apps.render import RenderJob, parse_lora_spec, parse_prompt_file, render_batch, use_loras
     from metainfer_gen.video.export import check_output_path
+    from metainfer_gen.video.rules import check_prompts
 
     if (args.prompt is None) == (args.prompts is None):
         raise ValueError("give either a PROMPT or --prompts FILE (exactly one)")
@@ -190,6 +191,7 @@ def _render(args: argparse.Namespace) -> int:
     if args.image is not None and not Path(args.image).exists():
         raise FileNotFoundError(f"--image {args.image} does not exist")
     check_output_path(args.output)
+    check_prompts(args.prompt)  # before loading: the model's own rules (frames, size) are checked once it is known
     job = RenderJob(line=0, prompt=args.prompt, seed=args.seed, image=args.image, call=_call_args(args))
     pipe = get_pipeline("text-to-video" if job.image is None else "image-to-video")
     for report in use_loras(pipe, loras):

@@ -101,9 +101,18 @@ class VideoRules:
         if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)) \
                 or not math.isfinite(guidance_scale) or guidance_scale < 0:
             raise ValueError(f"guidance_scale must be a finite number >= 0; got {guidance_scale!r}")
-        prompts = [prompt] if isinstance(prompt, str) or prompt is None else list(prompt)
-        for p in prompts:
-            if not isinstance(p, str) or not p.strip():
-                raise ValueError(f"prompt must be a non-empty string; got {p!r}")
-            if len(p) > MAX_PROMPT_CHARS:
-                raise ValueError(f"prompt is {len(p)} characters; the limit is {MAX_PROMPT_CHARS}")
+        check_prompts(prompt)
+
+
+def check_prompts(prompt: str | list[str] | None) -> None:
+    """The rules on prompts that hold for every model (so callers can check them before loading one).
+
+    Raises:
+        ValueError: an empty or blank prompt, or one longer than :data:`MAX_PROMPT_CHARS` characters.
+    """
+    prompts = [prompt] if isinstance(prompt, str) or prompt is None else list(prompt)
+    for p in prompts:
+        if not isinstance(p, str) or not p.strip():
+            raise ValueError(f"prompt must be a non-empty string; got {p!r}")
+        if len(p) > MAX_PROMPT_CHARS:
+            raise ValueError(f"prompt is {len(p)} characters; the limit is {MAX_PROMPT_CHARS}")

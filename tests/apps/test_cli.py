@@ -128,6 +128,15 @@ def test_missing_image_exits_2_before_loading_anything(tmp_path, capsys):
     assert f"--image {tmp_path / 'nope.png'} does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("prompt", ["", "   "])
+def test_empty_prompt_exits_2_before_loading_anything(tmp_path, capsys, prompt):
+    code = main(["render", prompt, "-o", str(tmp_path / "c.mp4"), "--model", str(tmp_path / "no-model")])
+
+    assert code == 2  # a missing model would say "model path ... does not exist": the prompt was checked first
+    assert capsys.readouterr().err.strip() == f"error: prompt must be a non-empty string; got {prompt!r}"
+    assert list(tmp_path.iterdir()) == []
+
+
 # ------------------------------------------------------------------------------------------------------ batch mode
 
 
