@@ -14,7 +14,9 @@ of the pipeline call, speedup against no cache, PSNR (dB) and SSIM of the decode
 of the same seed and prompt (identical clips count 100 dB), and the demo model's prompt adherence (colour and
 direction read back from the frames; ``-`` on the random model). Policies run round-robin per prompt, so machine
 load drifting over the run hits all of them alike; an untimed uncached call warms the process up first, and
-MagCache gets one untimed call more (it calibrates there).
+MagCache gets one untimed call more (it calibrates there). Every row decodes with the VAE's causal convolutions on
+the registry's ``conv3d`` (oneDNN on the CPU; ``--vae-kernels stock`` keeps diffusers' own, which PyTorch sends to
+its slow path here): the part of a clip no step cache can touch, the same for all rows.
 """
 
 from __future__ import annotations
@@ -208,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                         "--num-prompts)")
     parser.add_argument("--large-policies", default=",".join(RANDOM_POLICIES), help="random setup: cache specs")
     parser.add_argument("--quick", action="store_true", help="smoke run: 5 frames at 32x32 (64x64 for SSIM)")
+    parser.add_argument("--vae-kernels", choices=("fused", "stock"), default="fused",
+                        help="VAE convolutions through the kernel registry (default) or diffusers' own")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
 
@@ -226,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     if "embedded" in setups:
         t2v = TextToVideoPipeline.from_pretrained(args.model, device=args.device, torch_dtype=dtype)
         t2v.set_progress_bar_config(disable=True)
+        if args.vae_kernels == "fused":
+            t2v.enable_fused_kernels(transformer=False)
         size = t2v.default("height")
         items = prompts_and_images(args.num_prompts + 1, size, frames)
         rows += bench_setup("embedded" if args.model is None else Path(args.model).name,
@@ -235,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     if "random" in setups:
         large = large_random_pipeline(args.device, dtype, args.large_layers, args.large_width, args.large_vae)
         large.set_progress_bar_config(disable=True)
+        if args.vae_kernels == "fused":
+            large.enable_fused_kernels(transformer=False)
         large_size = 64 if args.quick else args.large_size
         large_call = {**call, "height": large_size, "width": large_size,
                       "num_frames": 5 if args.quick else args.large_frames,

@@ -71,7 +71,7 @@ def _add_render_parser(subparsers) -> None:
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:WEIGHT]",
                    help="LoRA file or folder, optional weight (default 1.0); repeat for several. A prompt-file line's "
                         "'lora' field replaces these for that line")
-    p.add_argument("--fused-kernels", action="store_true", help="swap the fused kernels into the transformer")
+    p.add_argument("--fused-kernels", action="store_true", help="swap the registry kernels into the transformer and the VAE")
     p.add_argument("--cfg-parallel", action="store_true",
                    help="under torchrun (even number of ranks): each pair of ranks computes the conditional and "
                         "unconditional passes of a clip side by side; with --prompts the pairs split the file")

@@ -44,7 +44,7 @@ def add_demo_parser(subparsers) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weights dtype (default float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--fused-kernels", action="store_true", help="swap the fused kernels into the video transformer")
+    p.add_argument("--fused-kernels", action="store_true", help="swap the registry kernels into the video transformer and VAE")
     p.add_argument("--lora-dir", default=None,
                    help="folder of LoRA files (.safetensors, .bin) the page offers by name (default: the demo LoRAs "
                         "shipped for the embedded model when --model is not given, else no LoRA control)")

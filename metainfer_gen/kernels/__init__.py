@@ -33,6 +33,7 @@ _EXPORTS = {
     "indexer_topk": "metainfer_gen.kernels.indexer",
     "sparse_mla": "metainfer_gen.kernels.sparse_attention",
     "moe_experts": "metainfer_gen.kernels.moe",
+    "conv3d": "metainfer_gen.kernels.conv",
     "audit": "metainfer_gen.kernels.audit_log",
     "global_audit": "metainfer_gen.kernels.audit_log",
     "Audit": "metainfer_gen.kernels.audit_log",

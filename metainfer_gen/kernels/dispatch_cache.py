@@ -68,6 +68,9 @@ def _part(value: Any) -> tuple | None:
                 value.data_ptr() % _ALIGN)
     if kind in _SCALARS:
         return (kind, value)
+    if kind is tuple:  # small tuples of scalars (convolution stride, padding, ...)
+        parts = tuple(_part(v) for v in value)
+        return None if any(p is None for p in parts) else (tuple, parts)
     return None
 
 

@@ -41,16 +41,19 @@ class FuseKernelsConfig:
             ``gated_residual``.
         qk_norm: attention q/k RMSNorm through ``rms_norm``.
         rope: attention rotary embedding through ``rope``.
+        conv3d: video VAEs: Wan's causal 3-D convolutions through ``conv3d`` (oneDNN on the CPU, see
+            :mod:`metainfer_gen.kernels.conv`).
         strict: passed to every dispatch (None = the ``METAINFER_STRICT_FAST_PATH`` variable).
     """
 
     adaln: bool = True
     qk_norm: bool = True
     rope: bool = True
+    conv3d: bool = True
     strict: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("adaln", "qk_norm", "rope"):
+        for name in ("adaln", "qk_norm", "rope", "conv3d"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"FuseKernelsConfig.{name} must be a bool; got {getattr(self, name)!r}")
         if self.strict is not None and not isinstance(self.strict, bool):
@@ -78,6 +81,7 @@ class FuseReport:
 _FUSERS: dict[str, Fuser | str] = {
     "WanTransformerBlock": "metainfer_gen.kernels.fuse_wan:fuse_wan_block",
     "WanAttention": "metainfer_gen.kernels.fuse_wan:fuse_wan_attention",
+    "WanCausalConv3d": "metainfer_gen.kernels.fuse_wan_vae:fuse_wan_causal_conv3d",
 }
 
 

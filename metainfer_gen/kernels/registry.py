@@ -52,6 +52,7 @@ BUILTIN_KERNEL_MODULES: list[str] = [
     "metainfer_gen.kernels.indexer",
     "metainfer_gen.kernels.sparse_attention",
     "metainfer_gen.kernels.moe",
+    "metainfer_gen.kernels.conv",
 ]
 
 Example = Callable[[str, Any], tuple[tuple, dict]]
