@@ -15,7 +15,8 @@ from metainfer_gen.video.cache.stats import StepCacheStats, StepRecord
     (dict(error_budget=float("nan")), "error_budget"), (dict(error_budget=True), "error_budget"),
     (dict(num_warmup_steps=0), "num_warmup_steps"), (dict(num_warmup_steps=1.5), "num_warmup_steps"),
     (dict(max_consecutive_reuses=0), "max_consecutive_reuses"), (dict(extrapolate="yes"), "extrapolate"),
-    (dict(calibration_momentum=1.0), "calibration_momentum"),
+    (dict(calibration_momentum=1.0), "calibration_momentum"), (dict(warmup_fraction=1.0), "warmup_fraction"),
+    (dict(warmup_fraction=-0.1), "warmup_fraction"), (dict(gate_aware=1), "gate_aware"),
 ])
 def test_bad_config_raises_value_error_naming_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
@@ -97,6 +98,19 @@ def test_calibration_trusts_a_larger_ratio_at_once_and_blends_a_smaller_one():
     assert book.reuse_ratio == pytest.approx(5.0)
     book.reset()
     assert book.reuse_ratio is None and book.num_computed == 0
+
+
+def test_warmup_grows_with_the_schedule_but_not_below_the_minimum():
+    config = StepCacheConfig(num_warmup_steps=2, warmup_fraction=0.08)
+    assert [config.warmup_steps(n) for n in (None, 1, 7, 20, 30, 50, 100)] == [2, 2, 2, 2, 2, 4, 8]
+    book = BranchBook()
+    reasons = []
+    for step in range(6):
+        decision = book.decide(config, step, 50, 0.01, can_extrapolate=False)
+        reasons.append(decision.reason)
+        if not decision.reuse:
+            book.computed(config, 0.01, None)
+    assert reasons[:4] == [Reason.WARMUP] * 4 and Reason.WARMUP not in reasons[4:]
 
 
 def test_too_few_steps_threshold():

@@ -37,11 +37,18 @@ class StepCacheConfig:
         error_budget: the one quality/speed knob: accumulated predicted relative error (unitless, > 0) allowed
             before a step is recomputed. Larger reuses more (faster, lower fidelity). See :data:`PRESETS`.
         num_warmup_steps: computed steps per branch before any reuse (>= 1); at least two are needed to calibrate.
+        warmup_fraction: share of ``num_inference_steps`` computed first when that is more (rounded; in [0, 1)):
+            the first steps lay the clip out, and an error there is carried through the rest of the trajectory. On
+            the embedded model at 50 steps, 4 warm-up steps instead of 2 kept 34.0 dB instead of 29.6 dB
+            (``fast``, 3 prompts) for 2 more computed steps per branch.
         max_consecutive_reuses: cap on reused steps in a row per branch (>= 1).
         compute_last_step: always compute the final step (needs the step count, which our pipelines pass).
         extrapolate: on every reused step after two computed ones, add the first-order extrapolation of the
             residual from the last two computed steps (in timestep) instead of the last residual; the budget counts
             the smaller of the two predicted errors.
+        gate_aware: on Wan-style blocks (adaLN-gated attention and feed-forward), keep the modules' outputs
+            instead of the gated sum and rebuild the residual with the reused step's own gates
+            (:mod:`~metainfer_gen.video.cache.gated`); other blocks keep the gated sum either way.
         calibration_momentum: weight of the previous ratio when a new one is measured, in [0, 1).
         signal: ``"input"`` (cheapest, default) or ``"first_block"`` (one block per reused step, more robust
             without a calibration).
@@ -59,9 +66,11 @@ class StepCacheConfig:
 
     error_budget: float = PRESETS[DEFAULT_PRESET][0]
     num_warmup_steps: int = 2
+    warmup_fraction: float = 0.08
     max_consecutive_reuses: int = PRESETS[DEFAULT_PRESET][1]
     compute_last_step: bool = True
     extrapolate: bool = True
+    gate_aware: bool = True
     calibration_momentum: float = 0.5
     signal: str = "input"
     calibration: Any = None
@@ -74,9 +83,12 @@ class StepCacheConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
-        for name in ("compute_last_step", "extrapolate"):
+        for name in ("compute_last_step", "extrapolate", "gate_aware"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
+        fraction = self.warmup_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
+            raise ValueError(f"warmup_fraction must be in [0, 1) (e.g. 0.08); got {fraction!r}")
         momentum = self.calibration_momentum
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
             raise ValueError(f"calibration_momentum must be in [0, 1); got {momentum!r}")
@@ -105,6 +117,12 @@ class StepCacheConfig:
             raise ValueError(f"unknown step-cache preset {name!r}; choose one of {sorted(PRESETS)} or 'auto'")
         budget, cap = PRESETS[name]
         return replace(cls(error_budget=budget, max_consecutive_reuses=cap), **overrides)
+
+    def warmup_steps(self, num_inference_steps: int | None) -> int:
+        """Computed steps per branch before any reuse, for a run of ``num_inference_steps`` (None: unknown)."""
+        if not num_inference_steps:
+            return self.num_warmup_steps
+        return max(self.num_warmup_steps, round(self.warmup_fraction * num_inference_steps))
 
     def min_steps_for_reuse(self) -> int:
         """Fewest ``num_inference_steps`` that leave a step between the warm-up and the (computed) last step."""

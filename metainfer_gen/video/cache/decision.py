@@ -77,7 +77,7 @@ class BranchBook:
         if signal is None:
             return self._compute(Reason.NO_SIGNAL)
         signal_total = self.signal_since_compute + signal
-        if self.num_computed < config.num_warmup_steps:
+        if self.num_computed < config.warmup_steps(num_steps):
             return self._compute(Reason.WARMUP, signal_total)
         if config.compute_last_step and num_steps is not None and step >= num_steps - 1:
             return self._compute(Reason.LAST_STEP, signal_total)

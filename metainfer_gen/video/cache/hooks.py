@@ -19,13 +19,14 @@ from diffusers.utils.torch_utils import unwrap_module
 from metainfer_gen.video.cache.blocks import ENCODER_ARG, HIDDEN_ARG, BlockIO
 from metainfer_gen.video.cache.config import StepCacheConfig
 from metainfer_gen.video.cache.decision import Decision, Reason
+from metainfer_gen.video.cache.gated import CAPTURE_HOOK, GatedBlocks
 from metainfer_gen.video.cache.state import BranchState, CallTracker, signal_between
 from metainfer_gen.video.cache.stats import StepRecord
 
 ROOT_HOOK = "metainfer_step_cache_root"
 HEAD_HOOK = "metainfer_step_cache_head"
 BLOCK_HOOK = "metainfer_step_cache_block"
-HOOK_NAMES = (ROOT_HOOK, HEAD_HOOK, BLOCK_HOOK)
+HOOK_NAMES = (ROOT_HOOK, HEAD_HOOK, BLOCK_HOOK, CAPTURE_HOOK)
 
 
 @dataclass(slots=True)
@@ -42,6 +43,24 @@ class _Run:
     reuse: bool = False
     disabled_reason: str | None = None
     record: StepRecord | None = None
+    gated: GatedBlocks | None = None  # Wan-style blocks: residuals assembled from module outputs and gates
+    temb: torch.Tensor | None = None  # the blocks' temb argument on this step
+
+    @property
+    def skip_blocks(self) -> int:
+        """Blocks before the cached residual: the first runs every step with ``signal="first_block"``."""
+        return 0 if self.config.signal == "input" else 1
+
+    def start_capture(self) -> None:
+        if self.gated is not None and self.config.gate_aware:
+            self.gated.start_capture()
+
+    def assembler(self, dtype: torch.dtype):
+        """module outputs -> residual at this step's gates, or None (no gated blocks, gate_aware off, no temb)."""
+        gated, temb = self.gated, self.temb
+        if gated is None or temb is None or not self.config.gate_aware:
+            return None
+        return lambda outputs: gated.residual(temb, outputs, self.skip_blocks, dtype)
 
     def decide(self, sources: tuple[torch.Tensor, ...]) -> Decision:
         """Measure the signal on ``sources`` against the previous step's, decide, and record the step."""
@@ -111,7 +130,9 @@ class StepCacheRootHook(ModelHook):
             run.disabled_reason = self._disabled_reason()
             return self.fn_ref.original_forward(*args, **kwargs)
         finally:
-            run.state = None
+            run.state = run.temb = None
+            if run.gated is not None:
+                run.gated.outputs = None
             if context is None:
                 self.state_manager.set_context(None)
 
@@ -154,23 +175,29 @@ class StepCacheHeadHook(_BlockHook):
         if run.state is None:  # a block called outside the hooked transformer forward
             return self.fn_ref.original_forward(*args, **kwargs)
         hidden_in, encoder_in = self.io.inputs(args, kwargs)
+        temb = self.io.argument("temb", args, kwargs)
+        run.temb = temb if isinstance(temb, torch.Tensor) else None
         if run.config.signal == "input":
-            temb = self.io.argument("temb", args, kwargs)
-            decision = run.decide((hidden_in, temb) if isinstance(temb, torch.Tensor) else (hidden_in,))
+            decision = run.decide((hidden_in, temb) if run.temb is not None else (hidden_in,))
             if not decision.reuse:
                 run.state.head_reference = (hidden_in, encoder_in)
+                run.start_capture()
                 return self.fn_ref.original_forward(*args, **kwargs)
             return self._reuse(decision, hidden_in, encoder_in, like=None)
+        run.start_capture()
         output = self.fn_ref.original_forward(*args, **kwargs)
         hidden_out, encoder_out = self.io.outputs(output)
         decision = run.decide((hidden_out - hidden_in,))
         if not decision.reuse:
             run.state.head_reference = (hidden_out, encoder_out)
             return output
+        if run.gated is not None:
+            run.gated.outputs = None
         return self._reuse(decision, hidden_out, encoder_out, like=output)
 
     def _reuse(self, decision: Decision, hidden, encoder, like):
-        residual, encoder_residual = self.run.state.estimate(self.run.position, decision.extrapolate)
+        residual, encoder_residual = self.run.state.estimate(self.run.position, decision.extrapolate,
+                                                             self.run.assembler(hidden.dtype))
         if encoder is not None and encoder_residual is not None:
             encoder = encoder + encoder_residual
         return self.io.pack(hidden + residual, encoder, like=like)
@@ -197,7 +224,9 @@ class StepCacheBlockHook(_BlockHook):
             run.disabled_reason = f"the last block's output {tuple(hidden.shape)} differs from the first's"
             return
         same = encoder is not None and head_encoder is not None and encoder.shape == head_encoder.shape
-        changes = run.state.store(run.position, (hidden - head, encoder - head_encoder if same else None))
+        modules = run.gated.take_capture(run.skip_blocks) if run.gated is not None else None
+        changes = run.state.store(run.position, (hidden - head, encoder - head_encoder if same else None), modules,
+                                  run.assembler(hidden.dtype))
         run.state.book.computed(run.config, *changes)
         if run.record is not None:
             run.record.change, run.record.extrapolation_error = changes

@@ -11,6 +11,8 @@ the per-call stats.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
+
 import torch
 from diffusers.hooks.hooks import BaseState
 
@@ -39,10 +41,15 @@ def signal_between(new: tuple[torch.Tensor, ...], old: tuple[torch.Tensor, ...] 
 
 @dataclass(slots=True)
 class ComputedResidual:
-    """Residual of the blocks after the first, on a computed step. ``position``: timestep (or step) coordinate."""
+    """Residual of the cached blocks on a computed step. ``position``: timestep (or step) coordinate; ``modules``:
+    their module outputs when the blocks are gated (:mod:`~metainfer_gen.video.cache.gated`), else None."""
 
     position: float
     parts: Parts
+    modules: list[torch.Tensor] | None = None
+
+
+Assemble = Callable[[list[torch.Tensor]], torch.Tensor]  # module outputs -> residual at this step's gates
 
 
 class BranchState(BaseState):
@@ -68,39 +75,57 @@ class BranchState(BaseState):
             self.reset()
             self.shape_key = key
 
-    def estimate(self, position: float, extrapolate: bool) -> Parts:
-        """Residual to add on a reused step: the last computed one, or its first-order extrapolation."""
-        last = self.history[-1]
-        if not (extrapolate and len(self.history) == 2):
-            return last.parts
-        return _extrapolate(self.history[0], last, position)
+    def estimate(self, position: float, extrapolate: bool, assemble: Assemble | None = None) -> Parts:
+        """Residual to add on a reused step: the last computed one, or its first-order extrapolation; with
+        ``assemble`` (gated blocks), built from the (extrapolated) module outputs at the current gates."""
+        used = self.history if extrapolate and len(self.history) == 2 else self.history[-1:]
+        parts = _extrapolate(used, position)
+        if assemble is not None and all(h.modules is not None for h in used):
+            return assemble(_extrapolate_list([h.modules for h in used], [h.position for h in used], position)), \
+                parts[1]
+        return parts
 
-    def store(self, position: float, parts: Parts) -> tuple[float | None, float | None]:
+    def store(self, position: float, parts: Parts, modules: list[torch.Tensor] | None = None,
+              assemble: Assemble | None = None) -> tuple[float | None, float | None]:
         """Keep a computed residual; return (reuse change, extrapolation error) measured against history."""
         measured: list[torch.Tensor] = []
         if self.history:
             last = self.history[-1].parts[0]
             measured.append(_relative_l1(parts[0], last))
             if len(self.history) == 2:
-                guess = _extrapolate(self.history[0], self.history[1], position)[0]
+                guess = self.estimate(position, True, assemble if modules is not None else None)[0]
                 measured.append((parts[0].float() - guess.float()).abs().mean()
                                 / last.float().abs().mean().clamp_min(1e-12))
-        self.history = [*self.history[-1:], ComputedResidual(position, parts)]
+        self.history = [*self.history[-1:], ComputedResidual(position, parts, modules)]
         values = torch.stack(measured).tolist() if measured else []  # one host sync for both
         values += [None] * (2 - len(values))
         return values[0], values[1]
 
 
-def _extrapolate(older: ComputedResidual, newer: ComputedResidual, position: float) -> Parts:
-    span = newer.position - older.position
-    if span == 0:
-        return newer.parts
-    weight = (position - newer.position) / span
+def _weight(positions: list[float], position: float) -> float | None:
+    """Extrapolation weight of the newer of two points (None: one point, or two at the same position)."""
+    if len(positions) < 2 or positions[1] == positions[0]:
+        return None
+    return (position - positions[1]) / (positions[1] - positions[0])
 
-    def line(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-        return None if a is None or b is None or a.shape != b.shape else b + (b - a) * weight
 
-    return line(older.parts[0], newer.parts[0]), line(older.parts[1], newer.parts[1])
+def _extrapolate_list(values: list[list[torch.Tensor]], positions: list[float], position: float) -> list:
+    weight = _weight(positions, position)
+    if weight is None:
+        return values[-1]
+    return [_line(a, b, weight) for a, b in zip(values[0], values[1])]
+
+
+def _line(a: torch.Tensor | None, b: torch.Tensor | None, weight: float) -> torch.Tensor | None:
+    return None if a is None or b is None or a.shape != b.shape else b + (b - a) * weight
+
+
+def _extrapolate(history: list[ComputedResidual], position: float) -> Parts:
+    weight = _weight([h.position for h in history], position)
+    if weight is None:
+        return history[-1].parts
+    older, newer = history
+    return _line(older.parts[0], newer.parts[0], weight), _line(older.parts[1], newer.parts[1], weight)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,92 @@
+"""Gate-aware residuals on Wan blocks: the assembled residual equals the blocks' own, reused steps built from it
+track the uncached run more closely than the gated sum, and removal takes the capture hooks off."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from metainfer_gen.video.cache import StepCacheConfig, apply_step_cache, remove_step_cache
+from metainfer_gen.video.cache.apply import begin_step_cache_call, end_step_cache_call
+from metainfer_gen.video.cache.blocks import find_blocks
+from metainfer_gen.video.cache.gated import CAPTURE_HOOK, GatedBlocks
+from tests.video.test_step_cache_models import FAMILIES, NUM_STEPS, denoise
+
+
+def _wan():
+    model, latents, extra = FAMILIES["wan"]()
+    return model.eval(), latents, extra
+
+
+def _hooked(module) -> list[str]:
+    registry = getattr(module, "_diffusers_hook", None)
+    return list(registry.hooks) if registry is not None else []
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["temb-per-sample", "temb-per-token"])
+def test_assembled_residual_equals_the_blocks_own(per_token):
+    torch.manual_seed(0)
+    model, latents, extra = _wan()
+    blocks = [block for _, block in find_blocks(model)]
+    gated = GatedBlocks.of(blocks)
+    assert gated is not None and len(gated.tables) == len(blocks)
+    seen = {}
+    first = blocks[0].register_forward_pre_hook(lambda m, args, kwargs: seen.update(x=args[0], temb=args[2]),
+                                                with_kwargs=True)
+    head = blocks[0].register_forward_hook(lambda m, args, out: seen.update(head=out))
+    last = blocks[-1].register_forward_hook(lambda m, args, out: seen.update(out=out))
+    tokens = latents.shape[2] * (latents.shape[3] // 2) * (latents.shape[4] // 2)
+    timestep = torch.full((1, tokens), 700.0) if per_token else torch.tensor([700.0])
+    gated.start_capture()
+    with torch.no_grad():
+        model(hidden_states=latents, timestep=timestep, return_dict=False, **extra)
+    for handle in (first, head, last):
+        handle.remove()
+    outputs = gated.take_capture(skip_blocks=0)
+    assert len(outputs) == 3 * len(blocks) and seen["temb"].ndim == (4 if per_token else 3)
+    residual = gated.residual(seen["temb"], outputs, 0, seen["x"].dtype)
+    torch.testing.assert_close(residual, seen["out"] - seen["x"], atol=1e-5, rtol=1e-5)
+    later = gated.residual(seen["temb"], outputs[3:], 1, seen["x"].dtype)  # the blocks after the first alone
+    torch.testing.assert_close(later, seen["out"] - seen["head"], atol=1e-5, rtol=1e-5)
+    assert gated.take_capture(0) is None  # capture stopped: nothing more is kept
+
+
+def test_other_block_families_keep_the_gated_sum():
+    for name in ("cogvideox", "ltx", "hunyuan"):
+        model, _, _ = FAMILIES[name]()
+        assert GatedBlocks.of([block for _, block in find_blocks(model)]) is None, name
+
+
+def test_gate_aware_reuse_tracks_the_uncached_run_closer_and_removal_unhooks():
+    torch.manual_seed(0)
+    model, latents, extra = _wan()
+    reference = denoise(model, latents, extra, contexts=True)
+    errors = {}
+    for gate_aware in (True, False):
+        config = StepCacheConfig(error_budget=1e3, num_warmup_steps=2, max_consecutive_reuses=2,
+                                 gate_aware=gate_aware)
+        apply_step_cache(model, config)
+        begin_step_cache_call(model, NUM_STEPS)
+        cached = denoise(model, latents, extra, contexts=True)
+        stats = end_step_cache_call(model)
+        assert stats.num_reused > 0
+        errors[gate_aware] = (cached - reference).abs().mean().item()
+        remove_step_cache(model)
+        assert not any(CAPTURE_HOOK in _hooked(m) for m in model.modules())
+    assert errors[True] < 0.8 * errors[False], errors
+    assert torch.equal(denoise(model, latents, extra, contexts=True), reference)
+
+
+def test_first_block_signal_assembles_the_blocks_after_the_first():
+    torch.manual_seed(0)
+    model, latents, extra = _wan()
+    reference = denoise(model, latents, extra, contexts=True)
+    apply_step_cache(model, replace(StepCacheConfig(error_budget=1e3, max_consecutive_reuses=2),
+                                    signal="first_block"))
+    begin_step_cache_call(model, NUM_STEPS)
+    cached = denoise(model, latents, extra, contexts=True)
+    assert end_step_cache_call(model).num_reused > 0
+    remove_step_cache(model)
+    assert torch.isfinite(cached).all() and (cached - reference).abs().mean() < reference.abs().mean()
