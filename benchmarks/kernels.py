@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from metainfer_gen.kernels import adaln, kv_cache, norm, rotary  # noqa: E402
+from metainfer_gen.kernels import adaln, conv, kv_cache, norm, rotary  # noqa: E402
 from metainfer_gen.kernels.registry import Op  # noqa: E402
 
 
@@ -89,6 +89,9 @@ CASES = [
     Case("adaln_modulate", adaln.ADALN_MODULATE, _modulate, lambda a: 2 * _nbytes(a[0])),
     Case("gated_residual", adaln.GATED_RESIDUAL, _gated, lambda a: 3 * _nbytes(a[0])),
     Case("store_kv_cache", kv_cache.STORE_KV_CACHE, _store, lambda a: 2 * _nbytes(a[0], a[1]), in_place=True),
+    # One latent frame of the embedded Wan VAE decoder (the same shape at --quick: it is small already).
+    Case("conv3d (Wan VAE)", conv.CONV3D, lambda d, t, q: conv.CONV3D.example(d, t)[0],
+         lambda a: 2 * _nbytes(a[0]) + _nbytes(a[1])),
 ]
 
 

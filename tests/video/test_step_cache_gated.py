@@ -39,16 +39,18 @@ def test_assembled_residual_equals_the_blocks_own(per_token):
     last = blocks[-1].register_forward_hook(lambda m, args, out: seen.update(out=out))
     tokens = latents.shape[2] * (latents.shape[3] // 2) * (latents.shape[4] // 2)
     timestep = torch.full((1, tokens), 700.0) if per_token else torch.tensor([700.0])
-    gated.start_capture()
-    with torch.no_grad():
-        model(hidden_states=latents, timestep=timestep, return_dict=False, **extra)
+    summaries = []
+    for skip in (0, 1):  # all blocks, then the blocks after the first
+        gated.start_capture()
+        with torch.no_grad():
+            model(hidden_states=latents, timestep=timestep, return_dict=False, **extra)
+        summaries.append(gated.take_capture(skip_blocks=skip))
     for handle in (first, head, last):
         handle.remove()
-    outputs = gated.take_capture(skip_blocks=0)
-    assert len(outputs) == 3 * len(blocks) and seen["temb"].ndim == (4 if per_token else 3)
-    residual = gated.residual(seen["temb"], outputs, 0, seen["x"].dtype)
+    assert seen["temb"].ndim == (4 if per_token else 3)
+    residual = gated.residual(seen["temb"], summaries[0], seen["x"].dtype)
     torch.testing.assert_close(residual, seen["out"] - seen["x"], atol=1e-5, rtol=1e-5)
-    later = gated.residual(seen["temb"], outputs[3:], 1, seen["x"].dtype)  # the blocks after the first alone
+    later = gated.residual(seen["temb"], summaries[1], seen["x"].dtype)
     torch.testing.assert_close(later, seen["out"] - seen["head"], atol=1e-5, rtol=1e-5)
     assert gated.take_capture(0) is None  # capture stopped: nothing more is kept
 
@@ -90,3 +92,21 @@ def test_first_block_signal_assembles_the_blocks_after_the_first():
     assert end_step_cache_call(model).num_reused > 0
     remove_step_cache(model)
     assert torch.isfinite(cached).all() and (cached - reference).abs().mean() < reference.abs().mean()
+
+
+def test_embed_memo_is_bit_identical_and_reuses_the_prompt_and_timestep():
+    from diffusers.hooks import HookRegistry
+
+    from metainfer_gen.video.cache.embed_memo import EMBED_HOOK, install_embed_memo
+
+    torch.manual_seed(0)
+    model, latents, extra = _wan()
+    reference = denoise(model, latents, extra, contexts=True)
+    memo = install_embed_memo(model)
+    assert memo is not None
+    assert torch.equal(denoise(model, latents, extra, contexts=True), reference)
+    # 7 steps x 2 branches: the timestep repeats once per step, the prompt on every call but the first.
+    assert memo.hits == NUM_STEPS + (2 * NUM_STEPS - 1)
+    HookRegistry.check_if_exists_or_initialize(model.condition_embedder).remove_hook(EMBED_HOOK)
+    for name in ("cogvideox", "ltx"):
+        assert install_embed_memo(FAMILIES[name]()[0]) is None, name

@@ -6,6 +6,7 @@ import torch
 from diffusers.hooks.hooks import HookRegistry
 
 from metainfer_gen.video.cache.blocks import find_blocks
+from metainfer_gen.video.cache.embed_memo import install_embed_memo
 from metainfer_gen.video.cache.gated import GatedBlocks
 from metainfer_gen.video.cache.config import StepCacheConfig
 from metainfer_gen.video.cache.hooks import (
@@ -62,6 +63,7 @@ def apply_step_cache(transformer: torch.nn.Module, config: StepCacheConfig | Non
         hook = StepCacheBlockHook(run, is_tail=index == len(blocks) - 1)
         HookRegistry.check_if_exists_or_initialize(block).register_hook(hook, BLOCK_HOOK)
     run.gated = GatedBlocks.of([block for _, block in blocks])
+    run.embed_memo = install_embed_memo(transformer)
     # Contexts set later must reach the new hooks (diffusers caches the list of child registries).
     HookRegistry.check_if_exists_or_initialize(transformer).invalidate_child_registries_cache()
     return tracker

@@ -12,7 +12,8 @@ extrapolating the module outputs and multiplying by this step's gates predicts t
 extrapolating the gated sum: this is why TaylorSeer (Liu et al. 2025, arXiv:2503.06923; diffusers
 ``hooks/taylorseer_cache.py``) predicts per module. TaylorSeer then still runs every block's norms and modulation
 on a predicted step; here the residual is assembled directly, ``sum_l gate_l(t) * A_l + C_l + c_gate_l(t) * F_l``,
-so a reused step costs a few elementwise products per block. Measured on the embedded model: see
+from three summed tensors (see :meth:`GatedBlocks.take_capture`), so a reused step costs a few elementwise
+products whatever the number of blocks. Measured on the embedded model: see
 ``benchmarks/step_cache.py`` and README.
 
 Blocks that do not have this structure keep the plain residual (the step cache's generic path).
@@ -83,31 +84,36 @@ class GatedBlocks:
         self.outputs = []
 
     def take_capture(self, skip_blocks: int) -> list[torch.Tensor] | None:
-        """The module outputs of the blocks after the first ``skip_blocks``, or None when the capture is
-        incomplete (a block that ran outside the hooks); stops capturing."""
+        """Stop capturing and sum up the module outputs of the blocks after the first ``skip_blocks``, or None
+        when the capture is incomplete (a block that ran outside the hooks).
+
+        Returns:
+            ``[P, Q, R]`` (float32, each (B, S, N)) with ``P = sum_l table_l[2] * attn1_l + attn2_l +
+            table_l[5] * ffn_l``, ``Q = sum_l attn1_l``, ``R = sum_l ffn_l``: since every gate is its block's
+            table row plus the same ``temb`` row, the residual at any step is ``P + temb[2] * Q + temb[5] * R``
+            (:meth:`residual`), and the summary, being linear in the outputs, extrapolates like them.
+        """
         outputs, self.outputs = self.outputs, None
         if outputs is None or len(outputs) != len(MODULES) * len(self.tables):
             return None
-        return outputs[len(MODULES) * skip_blocks:]
+        total = attn1_sum = ffn_sum = None
+        for index, table in enumerate(self.tables[skip_blocks:], start=skip_blocks):
+            attn1, attn2, ffn = (o.float() for o in outputs[len(MODULES) * index:len(MODULES) * (index + 1)])
+            table = table.float()
+            term = attn1 * table[:, 2] + attn2 + ffn * table[:, 5]
+            total = term if total is None else total + term
+            attn1_sum = attn1 if attn1_sum is None else attn1_sum + attn1
+            ffn_sum = ffn if ffn_sum is None else ffn_sum + ffn
+        return [total, attn1_sum, ffn_sum]
 
-    def residual(self, temb: torch.Tensor, outputs: list[torch.Tensor], skip_blocks: int,
-                 dtype: torch.dtype) -> torch.Tensor:
-        """``sum_l gate_l * attn1_l + attn2_l + c_gate_l * ffn_l`` over the blocks after the first ``skip_blocks``.
+    @staticmethod
+    def residual(temb: torch.Tensor, summary: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The blocks' residual at this step's gates, ``P + temb[2] * Q + temb[5] * R``, in ``dtype``.
 
         Args:
-            temb: the blocks' ``temb`` argument, (B, 6, N) or (B, S, 6, N) (per token).
-            outputs: 3 tensors (B, S, N) per block, in execution order.
-            dtype: of the result (the hidden states').
+            temb: the blocks' ``temb`` argument, (B, 6, N) or (B, S, 6, N) (one timestep per token).
+            summary: ``[P, Q, R]`` from :meth:`take_capture` (possibly extrapolated).
         """
-        total = None
-        for index, table in enumerate(self.tables[skip_blocks:]):
-            if temb.ndim == 4:
-                mods = (table.unsqueeze(0) + temb.float()).chunk(6, dim=2)
-                gate, c_gate = mods[2].squeeze(2), mods[5].squeeze(2)
-            else:
-                mods = (table + temb.float()).chunk(6, dim=1)
-                gate, c_gate = mods[2], mods[5]
-            attn1, attn2, ffn = outputs[len(MODULES) * index:len(MODULES) * (index + 1)]
-            term = attn1.float() * gate + attn2.float() + ffn.float() * c_gate
-            total = term if total is None else total + term
-        return total.to(dtype)
+        total, attn1_sum, ffn_sum = summary
+        rows = temb.float().unsqueeze(1) if temb.ndim == 3 else temb.float()  # (B, 1 or S, 6, N)
+        return torch.addcmul(torch.addcmul(total, rows[:, :, 2], attn1_sum), rows[:, :, 5], ffn_sum).to(dtype)

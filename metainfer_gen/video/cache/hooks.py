@@ -19,6 +19,7 @@ from diffusers.utils.torch_utils import unwrap_module
 from metainfer_gen.video.cache.blocks import ENCODER_ARG, HIDDEN_ARG, BlockIO
 from metainfer_gen.video.cache.config import StepCacheConfig
 from metainfer_gen.video.cache.decision import Decision, Reason
+from metainfer_gen.video.cache.embed_memo import EMBED_HOOK, EmbedMemoHook
 from metainfer_gen.video.cache.gated import CAPTURE_HOOK, GatedBlocks
 from metainfer_gen.video.cache.state import BranchState, CallTracker, signal_between
 from metainfer_gen.video.cache.stats import StepRecord
@@ -26,7 +27,7 @@ from metainfer_gen.video.cache.stats import StepRecord
 ROOT_HOOK = "metainfer_step_cache_root"
 HEAD_HOOK = "metainfer_step_cache_head"
 BLOCK_HOOK = "metainfer_step_cache_block"
-HOOK_NAMES = (ROOT_HOOK, HEAD_HOOK, BLOCK_HOOK, CAPTURE_HOOK)
+HOOK_NAMES = (ROOT_HOOK, HEAD_HOOK, BLOCK_HOOK, CAPTURE_HOOK, EMBED_HOOK)
 
 
 @dataclass(slots=True)
@@ -45,6 +46,7 @@ class _Run:
     record: StepRecord | None = None
     gated: GatedBlocks | None = None  # Wan-style blocks: residuals assembled from module outputs and gates
     temb: torch.Tensor | None = None  # the blocks' temb argument on this step
+    embed_memo: EmbedMemoHook | None = None  # exact reuse of the condition embedder's outputs within a call
 
     @property
     def skip_blocks(self) -> int:
@@ -56,11 +58,12 @@ class _Run:
             self.gated.start_capture()
 
     def assembler(self, dtype: torch.dtype):
-        """module outputs -> residual at this step's gates, or None (no gated blocks, gate_aware off, no temb)."""
+        """module-output summary -> residual at this step's gates, or None (no gated blocks, gate_aware off, no
+        temb)."""
         gated, temb = self.gated, self.temb
         if gated is None or temb is None or not self.config.gate_aware:
             return None
-        return lambda outputs: gated.residual(temb, outputs, self.skip_blocks, dtype)
+        return lambda summary: gated.residual(temb, summary, dtype)
 
     def decide(self, sources: tuple[torch.Tensor, ...]) -> Decision:
         """Measure the signal on ``sources`` against the previous step's, decide, and record the step."""
@@ -147,6 +150,8 @@ class StepCacheRootHook(ModelHook):
 
     def reset_state(self, module):
         self.state_manager.reset()
+        if self.run.embed_memo is not None:
+            self.run.embed_memo.clear()
         self.run.tracker.finish_call()
         return module
 

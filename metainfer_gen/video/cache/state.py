@@ -42,14 +42,15 @@ def signal_between(new: tuple[torch.Tensor, ...], old: tuple[torch.Tensor, ...] 
 @dataclass(slots=True)
 class ComputedResidual:
     """Residual of the cached blocks on a computed step. ``position``: timestep (or step) coordinate; ``modules``:
-    their module outputs when the blocks are gated (:mod:`~metainfer_gen.video.cache.gated`), else None."""
+    the summary of their module outputs when the blocks are gated (:mod:`~metainfer_gen.video.cache.gated`), else
+    None."""
 
     position: float
     parts: Parts
     modules: list[torch.Tensor] | None = None
 
 
-Assemble = Callable[[list[torch.Tensor]], torch.Tensor]  # module outputs -> residual at this step's gates
+Assemble = Callable[[list[torch.Tensor]], torch.Tensor]  # module-output summary -> residual at this step's gates
 
 
 class BranchState(BaseState):
@@ -79,11 +80,11 @@ class BranchState(BaseState):
         """Residual to add on a reused step: the last computed one, or its first-order extrapolation; with
         ``assemble`` (gated blocks), built from the (extrapolated) module outputs at the current gates."""
         used = self.history if extrapolate and len(self.history) == 2 else self.history[-1:]
-        parts = _extrapolate(used, position)
+        positions = [h.position for h in used]
         if assemble is not None and all(h.modules is not None for h in used):
-            return assemble(_extrapolate_list([h.modules for h in used], [h.position for h in used], position)), \
-                parts[1]
-        return parts
+            encoder = _extrapolate_list([[h.parts[1]] for h in used], positions, position)[0]
+            return assemble(_extrapolate_list([h.modules for h in used], positions, position)), encoder
+        return tuple(_extrapolate_list([list(h.parts) for h in used], positions, position))
 
     def store(self, position: float, parts: Parts, modules: list[torch.Tensor] | None = None,
               assemble: Assemble | None = None) -> tuple[float | None, float | None]:
@@ -109,23 +110,13 @@ def _weight(positions: list[float], position: float) -> float | None:
     return (position - positions[1]) / (positions[1] - positions[0])
 
 
-def _extrapolate_list(values: list[list[torch.Tensor]], positions: list[float], position: float) -> list:
+def _extrapolate_list(values: list[list], positions: list[float], position: float) -> list:
+    """First-order extrapolation, item by item, of the newer list from the older (the newer alone when one)."""
     weight = _weight(positions, position)
     if weight is None:
         return values[-1]
-    return [_line(a, b, weight) for a, b in zip(values[0], values[1])]
-
-
-def _line(a: torch.Tensor | None, b: torch.Tensor | None, weight: float) -> torch.Tensor | None:
-    return None if a is None or b is None or a.shape != b.shape else b + (b - a) * weight
-
-
-def _extrapolate(history: list[ComputedResidual], position: float) -> Parts:
-    weight = _weight([h.position for h in history], position)
-    if weight is None:
-        return history[-1].parts
-    older, newer = history
-    return _line(older.parts[0], newer.parts[0], weight), _line(older.parts[1], newer.parts[1], weight)
+    return [None if a is None or b is None or a.shape != b.shape else torch.lerp(a, b, 1.0 + weight)
+            for a, b in zip(values[0], values[1])]
 
 
 @dataclass(slots=True)
