@@ -5,8 +5,11 @@ timestep (per token for Wan 2.2 TI2V) and projects the prompt embedding. Within 
 embedding of a CFG branch is the same tensor at every step, and both branches of a step share the timestep, so
 all but one projection per branch and one timestep embedding per step repeat work whose result is known. The hook
 below computes the same expressions as diffusers (verbatim, so outputs are bit-identical) and looks each part up
-by value first (``torch.equal`` against the inputs it was computed from). On the embedded model it removes most
-of the embedder's 1.5 ms per call (100 calls per 50-step guided clip).
+by value first (``torch.equal`` against the inputs it was computed from). Everything is forgotten when the cache
+state resets (at the end of every pipeline call: diffusers' ``maybe_free_model_hooks`` and our pipelines both
+reset it), so weights changed between calls (a LoRA loaded) are never served stale. On the embedded model it
+takes the embedder from 0.15 to 0.10 s per 50-step guided clip (the timestep embedding is per token and still
+runs once per step).
 """
 
 from __future__ import annotations
