@@ -13,8 +13,9 @@ extrapolating the gated sum: this is why TaylorSeer (Liu et al. 2025, arXiv:2503
 ``hooks/taylorseer_cache.py``) predicts per module. TaylorSeer then still runs every block's norms and modulation
 on a predicted step; here the residual is assembled directly, ``sum_l gate_l(t) * A_l + C_l + c_gate_l(t) * F_l``,
 from three summed tensors (see :meth:`GatedBlocks.take_capture`), so a reused step costs a few elementwise
-products whatever the number of blocks. Measured on the embedded model: see
-``benchmarks/step_cache.py`` and README.
+products whatever the number of blocks. Measured (``benchmarks/step_cache.py``, README): on the random-initialised
+Wan 4x384, on the very steps TaylorSeer computes, 63.5 dB against the uncached clip (TaylorSeer: 63.5; the gated
+sum extrapolated: 55.5); on the embedded model, whose gates move little from step to step, the gain is within noise.
 
 Blocks that do not have this structure keep the plain residual (the step cache's generic path).
 """
