@@ -103,7 +103,7 @@ class VideoPipelineBase:
         Args:
             transformer: the transformer blocks' fused adaLN, q/k norm and rotary kernels.
             vae: the video VAE's causal 3-D convolutions through ``kernels.conv3d`` (oneDNN on the CPU, where
-                PyTorch's own size rule picks its slow path: the embedded model's decode 2.2x faster).
+                PyTorch's own size rule picks its slow path: the embedded model's decode 2.3-2.7x faster).
         Modules that already carry the kernels (a pipeline made with ``from_pipe`` shares them) are left as they are.
         """
         from metainfer_gen.kernels import fuse_kernels
