@@ -229,8 +229,8 @@ class StepCacheBlockHook(_BlockHook):
             run.disabled_reason = f"the last block's output {tuple(hidden.shape)} differs from the first's"
             return
         same = encoder is not None and head_encoder is not None and encoder.shape == head_encoder.shape
-        modules = run.gated.take_capture(run.skip_blocks) if run.gated is not None else None
-        changes = run.state.store(run.position, (hidden - head, encoder - head_encoder if same else None), modules,
+        summary = run.gated.take_capture(run.skip_blocks) if run.gated is not None else None
+        changes = run.state.store(run.position, (hidden - head, encoder - head_encoder if same else None), summary,
                                   run.assembler(hidden.dtype))
         run.state.book.computed(run.config, *changes)
         if run.record is not None:

@@ -41,13 +41,13 @@ def signal_between(new: tuple[torch.Tensor, ...], old: tuple[torch.Tensor, ...] 
 
 @dataclass(slots=True)
 class ComputedResidual:
-    """Residual of the cached blocks on a computed step. ``position``: timestep (or step) coordinate; ``modules``:
-    the summary of their module outputs when the blocks are gated (:mod:`~metainfer_gen.video.cache.gated`), else
-    None."""
+    """Residual of the cached blocks on a computed step. ``position``: timestep (or step) coordinate;
+    ``gated_summary``: the summed module outputs when the blocks are gated (:mod:`~metainfer_gen.video.cache.gated`),
+    else None."""
 
     position: float
     parts: Parts
-    modules: list[torch.Tensor] | None = None
+    gated_summary: list[torch.Tensor] | None = None
 
 
 Assemble = Callable[[list[torch.Tensor]], torch.Tensor]  # module-output summary -> residual at this step's gates
@@ -81,12 +81,12 @@ class BranchState(BaseState):
         ``assemble`` (gated blocks), built from the (extrapolated) module outputs at the current gates."""
         used = self.history if extrapolate and len(self.history) == 2 else self.history[-1:]
         positions = [h.position for h in used]
-        if assemble is not None and all(h.modules is not None for h in used):
+        if assemble is not None and all(h.gated_summary is not None for h in used):
             encoder = _extrapolate_list([[h.parts[1]] for h in used], positions, position)[0]
-            return assemble(_extrapolate_list([h.modules for h in used], positions, position)), encoder
+            return assemble(_extrapolate_list([h.gated_summary for h in used], positions, position)), encoder
         return tuple(_extrapolate_list([list(h.parts) for h in used], positions, position))
 
-    def store(self, position: float, parts: Parts, modules: list[torch.Tensor] | None = None,
+    def store(self, position: float, parts: Parts, gated_summary: list[torch.Tensor] | None = None,
               assemble: Assemble | None = None) -> tuple[float | None, float | None]:
         """Keep a computed residual; return (reuse change, extrapolation error) measured against history."""
         measured: list[torch.Tensor] = []
@@ -94,10 +94,10 @@ class BranchState(BaseState):
             last = self.history[-1].parts[0]
             measured.append(_relative_l1(parts[0], last))
             if len(self.history) == 2:
-                guess = self.estimate(position, True, assemble if modules is not None else None)[0]
+                guess = self.estimate(position, True, assemble if gated_summary is not None else None)[0]
                 measured.append((parts[0].float() - guess.float()).abs().mean()
                                 / last.float().abs().mean().clamp_min(1e-12))
-        self.history = [*self.history[-1:], ComputedResidual(position, parts, modules)]
+        self.history = [*self.history[-1:], ComputedResidual(position, parts, gated_summary)]
         values = torch.stack(measured).tolist() if measured else []  # one host sync for both
         values += [None] * (2 - len(values))
         return values[0], values[1]
