@@ -29,9 +29,10 @@ from metainfer_gen.kernels.fuse import FUSE_HOOK, FuseKernelsConfig
 from metainfer_gen.kernels.norm import rms_norm
 from metainfer_gen.kernels.rotary import rope
 
-__all__ = ["FusedWanAttentionHook", "FusedWanBlockHook", "fuse_wan_attention", "fuse_wan_block"]
+__all__ = ["WAN_BLOCK_ARGS", "FusedWanAttentionHook", "FusedWanBlockHook", "fuse_wan_attention", "fuse_wan_block"]
 
-_BLOCK_ARGS = ["hidden_states", "encoder_hidden_states", "temb", "rotary_emb"]
+# The leading parameters of diffusers' WanTransformerBlock.forward (also read by the step cache's gated residuals).
+WAN_BLOCK_ARGS = ["hidden_states", "encoder_hidden_states", "temb", "rotary_emb"]
 
 
 def _model_hook_base():
@@ -187,8 +188,8 @@ def fuse_wan_block(block, name: str, config: FuseKernelsConfig) -> str | None:
     if not config.adaln:
         return "adaln disabled in FuseKernelsConfig"
     params = list(inspect.signature(type(block).forward).parameters)[1:]
-    if params[:4] != _BLOCK_ARGS:
-        return f"forward takes {params}, expected {_BLOCK_ARGS} (diffusers version changed the block)"
+    if params[:4] != WAN_BLOCK_ARGS:
+        return f"forward takes {params}, expected {WAN_BLOCK_ARGS} (diffusers version changed the block)"
     if not (_no_affine(block.norm1) and _no_affine(block.norm3)):
         return "norm1/norm3 have an affine weight; the fused adaLN assumes a plain LayerNorm"
     table = getattr(block, "scale_shift_table", None)

@@ -62,7 +62,8 @@ def apply_step_cache(transformer: torch.nn.Module, config: StepCacheConfig | Non
     for index, (_, block) in enumerate(blocks[1:], start=1):
         hook = StepCacheBlockHook(run, is_tail=index == len(blocks) - 1)
         HookRegistry.check_if_exists_or_initialize(block).register_hook(hook, BLOCK_HOOK)
-    run.gated = GatedBlocks.of([block for _, block in blocks])
+    if config.gate_aware:  # capture hooks only where they are used
+        run.gated = GatedBlocks.of([block for _, block in blocks])
     run.embed_memo = install_embed_memo(transformer)
     # Contexts set later must reach the new hooks (diffusers caches the list of child registries).
     HookRegistry.check_if_exists_or_initialize(transformer).invalidate_child_registries_cache()

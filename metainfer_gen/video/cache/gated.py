@@ -28,9 +28,10 @@ from dataclasses import dataclass
 import torch
 from diffusers.hooks.hooks import ModelHook
 
+from metainfer_gen.kernels.fuse_wan import WAN_BLOCK_ARGS
+
 CAPTURE_HOOK = "metainfer_step_cache_capture"
 MODULES = ("attn1", "attn2", "ffn")  # in execution order; attn2 (cross-attention) is the ungated one
-_BLOCK_ARGS = ["hidden_states", "encoder_hidden_states", "temb", "rotary_emb"]
 
 
 class _Capture(ModelHook):
@@ -70,7 +71,7 @@ class GatedBlocks:
         for block in blocks:
             table = getattr(block, "scale_shift_table", None)
             params = list(inspect.signature(type(block).forward).parameters)[1:5]
-            if params != _BLOCK_ARGS or not isinstance(table, torch.Tensor) or table.ndim != 3 \
+            if params != WAN_BLOCK_ARGS or not isinstance(table, torch.Tensor) or table.ndim != 3 \
                     or table.shape[:2] != (1, 6) or not all(isinstance(getattr(block, m, None), torch.nn.Module)
                                                              for m in MODULES):
                 return None

@@ -44,7 +44,7 @@ class _Run:
     reuse: bool = False
     disabled_reason: str | None = None
     record: StepRecord | None = None
-    gated: GatedBlocks | None = None  # Wan-style blocks: residuals assembled from module outputs and gates
+    gated: GatedBlocks | None = None  # Wan-style blocks with gate_aware on: residuals from module outputs and gates
     temb: torch.Tensor | None = None  # the blocks' temb argument on this step
     embed_memo: EmbedMemoHook | None = None  # exact reuse of the condition embedder's outputs within a call
 
@@ -54,14 +54,13 @@ class _Run:
         return 0 if self.config.signal == "input" else 1
 
     def start_capture(self) -> None:
-        if self.gated is not None and self.config.gate_aware:
+        if self.gated is not None:
             self.gated.start_capture()
 
     def assembler(self, dtype: torch.dtype):
-        """module-output summary -> residual at this step's gates, or None (no gated blocks, gate_aware off, no
-        temb)."""
+        """module-output summary -> residual at this step's gates, or None (no gated blocks, or no temb)."""
         gated, temb = self.gated, self.temb
-        if gated is None or temb is None or not self.config.gate_aware:
+        if gated is None or temb is None:
             return None
         return lambda summary: gated.residual(temb, summary, dtype)
 
