@@ -52,11 +52,14 @@ def test_async_handles_and_low_precision_error_reported(tmp_path):
 
 def test_thresholds_measured_then_read_from_cache(tmp_path):
     results = run_ranks("thresholds_cache", tmp_path)
+    # Each rank times for itself and the two can disagree under load; rank 0 writes its numbers, and every rank
+    # loads rank 0's, so the ranks never pick different algorithms (CI once saw 0 on rank 0, unbounded on rank 1).
+    _, rank0_max, rank0_chunk, _ = results[0]["measured"]
     for out in results.values():
         source, one_shot_max, chunk, keys = out["measured"]
         assert source == "measured" and chunk == 65536
         assert one_shot_max in (0, 4096, 65536) or one_shot_max >= 1 << 62
         assert keys == ["4096", "65536", "chunk65536"]
-        assert out["loaded"] == ("cache", one_shot_max, chunk)
+        assert out["loaded"] == ("cache", rank0_max, rank0_chunk)
         assert out["default_source"] == "default"  # tuning is off in the harness and no cache existed at init
     assert (tmp_path / "collectives.json").exists()
