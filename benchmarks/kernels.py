@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from metainfer_gen.kernels import adaln, conv, kv_cache, norm, rotary  # noqa: E402
+from metainfer_gen.kernels import adaln, channel_norm, conv, kv_cache, norm, rotary  # noqa: E402
 from metainfer_gen.kernels.registry import Op  # noqa: E402
 
 
@@ -92,6 +92,9 @@ CASES = [
     # One latent frame of the embedded Wan VAE decoder (the same shape at --quick: it is small already).
     Case("conv3d (Wan VAE)", conv.CONV3D, lambda d, t, q: conv.CONV3D.example(d, t)[0],
          lambda a: 2 * _nbytes(a[0]) + _nbytes(a[1])),
+    # A decoder feature map of the embedded Wan VAE (its WanRMS_norm), also at --quick.
+    Case("channel_rms_norm", channel_norm.CHANNEL_RMS_NORM,
+         lambda d, t, q: channel_norm.CHANNEL_RMS_NORM.example(d, t)[0], lambda a: 2 * _nbytes(a[0])),
 ]
 
 
@@ -143,6 +146,10 @@ def run_case(case: Case, device: str, dtype: torch.dtype, quick: bool, repeats: 
         eager_ms = time_ms(lambda: reference(*args), device, repeats)
     for name in _fast_impls(case, device):
         impl = case.op.implementation(name)
+        refusal = impl.supports(*args)
+        if refusal:  # e.g. oneDNN's bfloat16 convolution needs AVX-512 or AVX-NE-CONVERT
+            print(f"  skipped {case.name} {name}: {refusal}", file=sys.stderr, flush=True)
+            continue
         with torch.no_grad():
             start = time.perf_counter()
             if case.in_place:

@@ -34,6 +34,7 @@ _EXPORTS = {
     "sparse_mla": "metainfer_gen.kernels.sparse_attention",
     "moe_experts": "metainfer_gen.kernels.moe",
     "conv3d": "metainfer_gen.kernels.conv",
+    "channel_rms_norm": "metainfer_gen.kernels.channel_norm",
     "audit": "metainfer_gen.kernels.audit_log",
     "global_audit": "metainfer_gen.kernels.audit_log",
     "Audit": "metainfer_gen.kernels.audit_log",

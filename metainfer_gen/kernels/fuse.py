@@ -43,6 +43,8 @@ class FuseKernelsConfig:
         rope: attention rotary embedding through ``rope``.
         conv3d: video VAEs: Wan's causal 3-D convolutions through ``conv3d`` (oneDNN on the CPU, see
             :mod:`metainfer_gen.kernels.conv`).
+        channel_norm: video VAEs: Wan's channels-first RMS norms through ``channel_rms_norm`` (see
+            :mod:`metainfer_gen.kernels.channel_norm`).
         strict: passed to every dispatch (None = the ``METAINFER_STRICT_FAST_PATH`` variable).
     """
 
@@ -50,10 +52,11 @@ class FuseKernelsConfig:
     qk_norm: bool = True
     rope: bool = True
     conv3d: bool = True
+    channel_norm: bool = True
     strict: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("adaln", "qk_norm", "rope", "conv3d"):
+        for name in ("adaln", "qk_norm", "rope", "conv3d", "channel_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"FuseKernelsConfig.{name} must be a bool; got {getattr(self, name)!r}")
         if self.strict is not None and not isinstance(self.strict, bool):
@@ -82,6 +85,7 @@ _FUSERS: dict[str, Fuser | str] = {
     "WanTransformerBlock": "metainfer_gen.kernels.fuse_wan:fuse_wan_block",
     "WanAttention": "metainfer_gen.kernels.fuse_wan:fuse_wan_attention",
     "WanCausalConv3d": "metainfer_gen.kernels.fuse_wan_vae:fuse_wan_causal_conv3d",
+    "WanRMS_norm": "metainfer_gen.kernels.fuse_wan_vae:fuse_wan_rms_norm",
 }
 
 

@@ -1,10 +1,13 @@
-"""Fuser for the Wan VAE: its causal 3-D convolutions through the registry's ``conv3d`` op.
+"""Fusers for the Wan VAE: causal 3-D convolutions through ``conv3d``, channel RMS norms through ``channel_rms_norm``.
 
 ``WanCausalConv3d.forward`` (diffusers ``autoencoder_kl_wan.py``) prepends the cached last frames of the previous
 chunk (or zeros) in time, pads height and width, and calls ``nn.Conv3d`` with zero padding. The hook below does the
-same padding, verbatim, and then calls :func:`metainfer_gen.kernels.conv.conv3d`, which on the CPU runs oneDNN
-where PyTorch's size rule would pick ``slow_conv3d`` (see that module). Weights and the module are untouched;
-``unfuse_kernels`` restores the original forward.
+same time padding, hands the height and width padding to the convolution itself (the same zeros, one copy of the
+feature map fewer), and calls :func:`metainfer_gen.kernels.conv.conv3d`, which on the CPU runs oneDNN where
+PyTorch's size rule would pick ``slow_conv3d`` (see that module). ``WanRMS_norm`` with ``channel_first=True``
+goes through :func:`metainfer_gen.kernels.channel_norm.channel_rms_norm` (a sum of squares instead of
+``F.normalize``'s strided ``linalg.vector_norm``). Weights and modules are untouched; ``unfuse_kernels`` restores
+the original forwards.
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from metainfer_gen.kernels.channel_norm import channel_rms_norm
 from metainfer_gen.kernels.conv import conv3d
 from metainfer_gen.kernels.fuse import FuseKernelsConfig
 from metainfer_gen.kernels.fuse_wan import _model_hook_base, _register
 
-__all__ = ["FusedWanCausalConv3dHook", "fuse_wan_causal_conv3d"]
+__all__ = ["FusedWanCausalConv3dHook", "FusedWanRMSNormHook", "fuse_wan_causal_conv3d", "fuse_wan_rms_norm"]
 
 
 class FusedWanCausalConv3dHook(_model_hook_base()):
@@ -32,12 +36,13 @@ class FusedWanCausalConv3dHook(_model_hook_base()):
         self.config = config
 
     def new_forward(self, conv, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
-        padding = list(conv._padding)
-        if cache_x is not None and conv._padding[4] > 0:
+        width, _, height, _, front, back = conv._padding  # F.pad order: (W, W, H, H, T front, T back)
+        if cache_x is not None and front > 0:
             x = torch.cat([cache_x.to(x.device), x], dim=2)
-            padding[4] -= cache_x.shape[2]
-        x = F.pad(x, padding)
-        return conv3d(x, conv.weight, conv.bias, conv.stride, (0, 0, 0), conv.dilation, conv.groups,
+            front -= cache_x.shape[2]
+        if front > 0 or back > 0:
+            x = F.pad(x, (0, 0, 0, 0, front, back))
+        return conv3d(x, conv.weight, conv.bias, conv.stride, (0, height, width), conv.dilation, conv.groups,
                       site="WanCausalConv3d", strict=self.config.strict)
 
 
@@ -51,5 +56,34 @@ def fuse_wan_causal_conv3d(conv, name: str, config: FuseKernelsConfig) -> str | 
     padding = getattr(conv, "_padding", None)
     if padding is None or len(padding) != 6 or tuple(conv.padding) != (0, 0, 0) or conv.padding_mode != "zeros":
         return "no causal (_padding, zero conv padding) layout; the fused forward assumes diffusers' WanCausalConv3d"
+    if padding[0] != padding[1] or padding[2] != padding[3] or min(padding) < 0:
+        return f"asymmetric or negative spatial padding {tuple(padding)}: the convolution pads both sides alike"
     _register(conv, FusedWanCausalConv3dHook(config))
+    return None
+
+
+class FusedWanRMSNormHook(_model_hook_base()):
+    """Replaces ``WanRMS_norm.forward(x)`` for ``channel_first=True``: ``channel_rms_norm`` (audited at the call
+    site ``"WanRMS_norm"``)."""
+
+    _is_stateful = False
+
+    def __init__(self, config: FuseKernelsConfig):
+        super().__init__()
+        self.config = config
+
+    def new_forward(self, norm, x: torch.Tensor) -> torch.Tensor:
+        return channel_rms_norm(x, norm.gamma, norm.bias, site="WanRMS_norm", strict=self.config.strict)
+
+
+def fuse_wan_rms_norm(norm, name: str, config: FuseKernelsConfig) -> str | None:
+    """Install :class:`FusedWanRMSNormHook` on a channels-first ``WanRMS_norm``, or return why not."""
+    if not config.channel_norm:
+        return "channel_norm disabled in FuseKernelsConfig"
+    if not getattr(norm, "channel_first", False):
+        return "channel_first=False normalises the last dimension (no strided reduction to avoid)"
+    gamma, scale = getattr(norm, "gamma", None), getattr(norm, "scale", None)
+    if not isinstance(gamma, torch.Tensor) or scale is None or abs(scale - gamma.shape[0] ** 0.5) > 1e-6:
+        return "no (gamma, scale = sqrt(dim)) layout; the fused forward assumes diffusers' WanRMS_norm"
+    _register(norm, FusedWanRMSNormHook(config))
     return None

@@ -53,6 +53,7 @@ BUILTIN_KERNEL_MODULES: list[str] = [
     "metainfer_gen.kernels.sparse_attention",
     "metainfer_gen.kernels.moe",
     "metainfer_gen.kernels.conv",
+    "metainfer_gen.kernels.channel_norm",
 ]
 
 Example = Callable[[str, Any], tuple[tuple, dict]]

@@ -21,7 +21,7 @@ def test_last_audit_lists_the_fused_paths_and_outputs_match(pipe):
     pipe.enable_fused_kernels()
     fused = pipe("a red circle moving right", **CALL).frames
     ops = set(pipe.last_audit.paths())
-    assert {"adaln_modulate", "gated_residual", "conv3d"} <= ops, ops  # the VAE's causal convolutions too
+    assert {"adaln_modulate", "gated_residual", "conv3d", "channel_rms_norm"} <= ops, ops  # the VAE's too
     assert np.abs(fused.astype(int) - reference.astype(int)).max() <= 2  # uint8 levels, fp32 reordering
     pipe.disable_fused_kernels()
     assert np.array_equal(pipe("a red circle moving right", **CALL).frames, reference)
@@ -32,7 +32,7 @@ def test_vae_kernels_alone_and_from_pipe_sharing_them(pipe):
     reference = pipe("a red circle moving right", **CALL).frames
     pipe.enable_fused_kernels(transformer=False)
     fused = pipe("a red circle moving right", **CALL).frames
-    assert set(pipe.last_audit.paths()) == {"conv3d"}
+    assert set(pipe.last_audit.paths()) == {"conv3d", "channel_rms_norm"}
     assert np.abs(fused.astype(int) - reference.astype(int)).max() <= 1
     i2v = pipelines.ImageToVideoPipeline.from_pipe(pipe)
     i2v.enable_fused_kernels()  # the shared VAE is already fused: left as it is, the transformer is fused now
