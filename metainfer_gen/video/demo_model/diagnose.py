@@ -100,7 +100,8 @@ def diagnose(pipeline_dir: str, work_dir: str, num_clips: int = 64, sigmas=(0.3,
                                                        max_sequence_length=text_length, device=torch.device("cpu"))
     noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(seed))
     frames, height, width = x0.shape[2:]
-    per_frame = (height // 2) * (width // 2)
+    _, patch_h, patch_w = pipe.transformer.config.patch_size
+    per_frame = (height // patch_h) * (width // patch_w)
     true_centroids = latent_centroids(x0)
     static = (true_centroids[:, :1] - true_centroids).norm(dim=-1).nanmean(0)
     result: dict = {"t2v": {}, "i2v": {}, "motion": {}}

@@ -55,6 +55,24 @@ def shifted_sigmas(batch: int, shift: float, generator: torch.Generator, high_no
     return torch.where(high, floor, sigma)
 
 
+def path_weight(x0: torch.Tensor, weight: float, floor: float = 0.2, ramp: float = 0.3) -> torch.Tensor:
+    """Per-position loss weight (N, 1, 1, h, w) that is ``1 + weight`` on the object's path and 1 elsewhere.
+
+    ``x0``: normalised clean latents (N, z, F', h, w). The clips have a flat background, so a latent position is the
+    object's where its channel vector is far from the frame's per-channel spatial median; the distance is scaled to
+    the frame's largest, mapped to [0, 1] by a ramp from ``floor`` to ``floor + ramp`` (the VAE's border ring, about
+    a fifth of the object's distance, stays out), and the maximum over frames is the path: every position the object
+    crosses in the clip. The weight makes "where along its path the object is at each frame", which the direction
+    word decides, count as much as the background it otherwise shares the loss with (about 10% of the positions
+    hold the object). ``weight=0`` returns ones (the plain flow-matching loss)."""
+    if weight <= 0:
+        return torch.ones(x0.shape[0], 1, 1, *x0.shape[3:])
+    distance = (x0 - x0.flatten(3).median(dim=3).values[..., None, None]).norm(dim=1)  # (N, F', h, w)
+    scaled = distance / distance.flatten(2).amax(dim=2).clamp_min(1e-6)[..., None, None]
+    on_path = ((scaled - floor) / ramp).clamp(0, 1).amax(dim=1)  # (N, h, w)
+    return 1 + weight * on_path[:, None, None]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vae-dir", default="build/demo_model/vae/final", help="trained VAE (save_pretrained dir)")
@@ -69,10 +87,18 @@ def main(argv: list[str] | None = None) -> None:
                         help="share of clips trained at noise levels in [0.9, 1) on top of the shifted draw")
     parser.add_argument("--image-fraction", type=float, default=0.5,
                         help="share of clips conditioned on their clean first latent frame (image-to-video)")
+    parser.add_argument("--path-weight", type=float, default=0.0,
+                        help="extra loss weight on the positions the object crosses (see path_weight; 0: plain)")
     parser.add_argument("--init-from", default=None,
                         help="start from the transformer of this pipeline folder (fine-tuning; fresh optimiser)")
     parser.add_argument("--attention-head-dim", type=int, default=configs.TRANSFORMER_CONFIG["attention_head_dim"],
                         help="per-head width (heads = inner width / this); wider heads get more RoPE frequencies")
+    parser.add_argument("--patch-size", type=int, default=configs.TRANSFORMER_CONFIG["patch_size"][1],
+                        help="spatial patch (height = width) of a transformer token, in latent pixels")
+    parser.add_argument("--num-attention-heads", type=int, default=None,
+                        help="heads (default: the shipped inner width / --attention-head-dim)")
+    parser.add_argument("--ffn-dim", type=int, default=configs.TRANSFORMER_CONFIG["ffn_dim"],
+                        help="feed-forward width")
     parser.add_argument("--text-length", type=int, default=configs.TEXT_MAX_LENGTH,
                         help="max_sequence_length of the prompt embeddings (real tokens + zero padding); the "
                              "shipped model: 16 (512, diffusers' Wan default, halved its direction accuracy)")
@@ -89,8 +115,10 @@ def main(argv: list[str] | None = None) -> None:
     prompt_index = data["combo"] * len(TEMPLATES) + data["template"]
 
     inner = configs.TRANSFORMER_CONFIG["num_attention_heads"] * configs.TRANSFORMER_CONFIG["attention_head_dim"]
+    heads = args.num_attention_heads or inner // args.attention_head_dim
     transformer = components.build_transformer(args.seed, attention_head_dim=args.attention_head_dim,
-                                               num_attention_heads=inner // args.attention_head_dim)
+                                               num_attention_heads=heads, ffn_dim=args.ffn_dim,
+                                               patch_size=(1, args.patch_size, args.patch_size))
     if args.init_from:
         from diffusers import WanTransformer3DModel
 
@@ -106,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         ema.load_state_dict(torch.load(ema_path, map_location="cpu"))
     transformer.train()
     _, _, num_lat_frames, height, width = latents.shape
-    tokens_per_frame = (height // 2) * (width // 2)
+    tokens_per_frame = (height // args.patch_size) * (width // args.patch_size)
     while run.step < args.steps:
         run.set_learning_rate(args.lr, args.steps, warmup_steps=200)
         generator = run.generator(args.seed)
@@ -124,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
         xt = frame_weight * xt + (1 - frame_weight) * x0
         timestep = (frame_weight[:, 0, :, 0, 0].repeat_interleave(tokens_per_frame, dim=1)) * sigma.view(-1, 1) * 1000
         pred = transformer(xt, timestep, embeds[text], return_dict=False)[0]
-        loss = ((pred - (noise - x0)).square() * frame_weight).sum() / (frame_weight.sum() * pred[0, :, 0].numel())
+        weight = frame_weight * path_weight(x0, args.path_weight)
+        loss = ((pred - (noise - x0)).square() * weight).sum() / (weight.sum() * pred.shape[1])
         run.optimizer_step(loss)
         with torch.no_grad():
             beta = min(0.999, run.step / (9 + run.step))  # (1 + s) / (10 + s) of the step just taken
