@@ -15,8 +15,9 @@ of the same seed and prompt (identical clips count 100 dB), and the demo model's
 direction read back from the frames; ``-`` on the random model). Policies run round-robin per prompt, so machine
 load drifting over the run hits all of them alike; an untimed uncached call warms the process up first, and
 MagCache gets one untimed call more (it calibrates there). Every row decodes with the VAE's causal convolutions on
-the registry's ``conv3d`` (oneDNN on the CPU; ``--vae-kernels stock`` keeps diffusers' own, which PyTorch sends to
-its slow path here): the part of a clip no step cache can touch, the same for all rows.
+the registry's ``conv3d`` (oneDNN on the CPU) and its norms on ``channel_rms_norm`` (``--vae-kernels stock`` keeps
+diffusers' own, which PyTorch sends to its slow paths here): the part of a clip no step cache can touch, the same
+for all rows.
 """
 
 from __future__ import annotations
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--large-policies", default=",".join(RANDOM_POLICIES), help="random setup: cache specs")
     parser.add_argument("--quick", action="store_true", help="smoke run: 5 frames at 32x32 (64x64 for SSIM)")
     parser.add_argument("--vae-kernels", choices=("fused", "stock"), default="fused",
-                        help="VAE convolutions through the kernel registry (default) or diffusers' own")
+                        help="VAE convolutions and norms through the kernel registry (default) or diffusers' own")
     parser.add_argument("--repeats", type=int, default=1,
                         help="clips per policy and prompt, round-robin; the fastest counts (default 1)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
