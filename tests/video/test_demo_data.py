@@ -1,5 +1,6 @@
 """The demo model's procedural data and the frame reader that scores prompt adherence."""
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -78,3 +79,25 @@ def test_contact_sheet_puts_each_clip_in_a_row():
     assert sheet.shape[0] == 3 * (16 * 2 + 14 + 2)
     first_row_first_frame = sheet[14:14 + 32:2, 0:32:2]
     assert np.array_equal(first_row_first_frame, clips[0][0])
+
+
+@pytest.mark.parametrize("direction", list(data.DIRECTIONS))
+def test_trail_fades_behind_the_shape_and_the_reader_still_reads_the_clip(direction):
+    combo = ("green", "square", direction)
+    spec = data.sample_spec(combo, 17, 64, torch.Generator().manual_seed(5), trail=2)
+    video, mask = data.render_clip(spec, 17, 64)
+    _, plain_mask = data.render_clip(dataclasses.replace(spec, trail=0), 17, 64)
+    ghost = (mask - plain_mask)[0]  # only the trail: where the trail adds coverage, at opacity <= 1/2
+    assert ghost.min() >= 0 and 0.2 < ghost.max() <= 0.5
+    dx, dy = data.DIRECTIONS[direction]
+    ys, xs = torch.nonzero(ghost > 0.1, as_tuple=True)
+    behind = (xs.float().mean() + 0.5 - spec.x0) * dx + (ys.float().mean() + 0.5 - spec.y0) * dy
+    assert behind < -spec.radius  # the trail's mass sits more than a radius behind the centre
+    reading = read_clip(to_uint8(video))
+    assert (reading.colour, reading.direction) == ("green", direction)
+
+
+def test_trail_zero_draws_the_shipped_data():
+    a = data.sample_batch(3, 9, 32, torch.Generator().manual_seed(1))
+    b = data.sample_batch(3, 9, 32, torch.Generator().manual_seed(1), trail=0)
+    assert torch.equal(a[0], b[0]) and [s.trail for s in a[2]] == [0, 0, 0]

@@ -48,6 +48,8 @@ class ClipSpec:
         colour, shape, direction: keys of :data:`COLOURS`, :data:`SHAPES`, :data:`DIRECTIONS`.
         x0, y0: start centre in pixels. speed: pixels per frame. radius: half size in pixels.
         background: RGB in [0, 1].
+        trail: fading copies drawn behind the shape (0: none), so that one frame shows the direction as the colour
+            shows the colour word (an experiment for direction adherence, docs/demo_model.md).
     """
 
     colour: str
@@ -58,6 +60,7 @@ class ClipSpec:
     speed: float
     radius: float
     background: tuple[float, float, float]
+    trail: int = 0
 
     def prompt(self, template: int = 0) -> str:
         return TEMPLATES[template].format(colour=self.colour, shape=self.shape, direction=self.direction)
@@ -99,9 +102,10 @@ def vocabulary() -> list[str]:
 
 
 def sample_spec(
-    combo: tuple[str, str, str], num_frames: int, size: int, generator: torch.Generator
+    combo: tuple[str, str, str], num_frames: int, size: int, generator: torch.Generator, trail: int = 0
 ) -> ClipSpec:
-    """Random geometry for one clip of ``combo`` that keeps the shape inside the frame for all ``num_frames``."""
+    """Random geometry for one clip of ``combo`` that keeps the shape inside the frame for all ``num_frames``
+    (the trail, if any, may leave it)."""
 
     def uniform(lo: float, hi: float) -> float:
         return lo + (hi - lo) * torch.rand((), generator=generator).item()
@@ -117,7 +121,8 @@ def sample_spec(
     lo_y = margin - min(dy, 0.0) * travel
     hi_y = size - margin - max(dy, 0.0) * travel
     background = tuple(uniform(0.0, 0.22) for _ in range(3))
-    return ClipSpec(colour, shape, direction, uniform(lo_x, hi_x), uniform(lo_y, hi_y), speed, radius, background)
+    return ClipSpec(colour, shape, direction, uniform(lo_x, hi_x), uniform(lo_y, hi_y), speed, radius, background,
+                    trail)
 
 
 def shape_coverage(shape: str, cx: torch.Tensor, cy: torch.Tensor, radius: torch.Tensor, size: int) -> torch.Tensor:
@@ -151,13 +156,19 @@ def render_clip(spec: ClipSpec, num_frames: int, size: int) -> tuple[torch.Tenso
 
     Returns:
         video: float32 (3, F, size, size) in [-1, 1] (the VAE's input range).
-        mask: float32 (F, size, size) in [0, 1], the shape's coverage.
+        mask: float32 (F, size, size) in [0, 1], the shape's coverage (the trail's copies at opacity 1/2, 1/4, ...,
+            spaced 0.7 radius apart behind it).
     """
     t = torch.arange(num_frames, dtype=torch.float32)
     dx, dy = DIRECTIONS[spec.direction]
     cx = spec.x0 + dx * spec.speed * t
     cy = spec.y0 + dy * spec.speed * t
-    mask = shape_coverage(spec.shape, cx, cy, torch.full_like(t, spec.radius), size)
+    radius = torch.full_like(t, spec.radius)
+    mask = shape_coverage(spec.shape, cx, cy, radius, size)
+    for k in range(1, spec.trail + 1):
+        back = 0.7 * spec.radius * k
+        ghost = shape_coverage(spec.shape, cx - dx * back, cy - dy * back, radius, size)
+        mask = torch.maximum(mask, ghost * 0.5 ** k)
     colour = torch.tensor(COLOURS[spec.colour]).view(3, 1, 1, 1)
     background = torch.tensor(spec.background).view(3, 1, 1, 1)
     video = background * (1 - mask) + colour * mask
@@ -170,8 +181,10 @@ def sample_batch(
     size: int,
     generator: torch.Generator,
     combos: list[tuple[str, str, str]] | None = None,
+    trail: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, list[ClipSpec]]:
-    """A batch of random clips drawn from ``combos`` (default: the training combinations).
+    """A batch of random clips drawn from ``combos`` (default: the training combinations), with ``trail`` fading
+    copies behind each shape.
 
     Returns:
         videos (B, 3, F, size, size) in [-1, 1], masks (B, F, size, size), and the specs.
@@ -180,7 +193,7 @@ def sample_batch(
     specs, videos, masks = [], [], []
     for _ in range(batch_size):
         combo = combos[int(torch.randint(len(combos), (), generator=generator))]
-        spec = sample_spec(combo, num_frames, size, generator)
+        spec = sample_spec(combo, num_frames, size, generator, trail)
         video, mask = render_clip(spec, num_frames, size)
         specs.append(spec)
         videos.append(video)

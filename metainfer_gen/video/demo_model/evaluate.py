@@ -75,8 +75,9 @@ def read_clip(frames: np.ndarray) -> ClipReading:
 
 
 def evaluate(model: str | None = None, num_inference_steps: int | None = None, guidance_scale: float | None = None,
-             seed: int = 0, combos: list | None = None) -> dict:
-    """Render every held-out prompt with text-to-video and image-to-video; return accuracies and per-clip rows."""
+             seed: int = 0, combos: list | None = None, trail: int = 0) -> dict:
+    """Render every held-out prompt with text-to-video and image-to-video; return accuracies and per-clip rows.
+    ``trail``: the image-to-video first frames carry that many fading copies (for a model trained with them)."""
     import torch
 
     from metainfer_gen import pipelines
@@ -93,7 +94,8 @@ def evaluate(model: str | None = None, num_inference_steps: int | None = None, g
         colour, shape, direction = combo
         prompt = TEMPLATES[index % len(TEMPLATES)].format(colour=colour, shape=shape, direction=direction)
         t2v_out = t2v(prompt, seed=seed + index, **call)
-        spec = sample_spec(combo, configs.NUM_FRAMES, configs.SIZE, torch.Generator().manual_seed(10_000 + index))
+        spec = sample_spec(combo, configs.NUM_FRAMES, configs.SIZE, torch.Generator().manual_seed(10_000 + index),
+                           trail)
         video, _ = render_clip(spec, 1, configs.SIZE)
         image = ((video[:, 0].permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()
         i2v_out = i2v(image, prompt, seed=seed + index, **call)
@@ -128,8 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--guidance-scale", type=float, default=None, help="guidance (model default if omitted)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the first clip; clip i uses seed + i")
     parser.add_argument("--json", default=None, help="also write the full result to this file")
+    parser.add_argument("--trail", type=int, default=0,
+                        help="fading copies in the image-to-video first frames (a model trained with --trail)")
     args = parser.parse_args(argv)
-    result = evaluate(args.model, args.steps, args.guidance_scale, args.seed)
+    result = evaluate(args.model, args.steps, args.guidance_scale, args.seed, trail=args.trail)
     print(json.dumps({"summary": result["summary"], "settings": result["settings"]}, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -20,9 +20,10 @@ SHARD_SIZE = 64
 
 
 @torch.no_grad()
-def encode_shards(vae, work_dir: str | Path, num_clips: int, seed: int = 1) -> list[Path]:
+def encode_shards(vae, work_dir: str | Path, num_clips: int, seed: int = 1, trail: int = 0) -> list[Path]:
     """Write ``ceil(num_clips / 64)`` shards, each a dict: latents (N, z, F', h, w) float32 (raw, not normalised),
-    combo (N,) index into :func:`training_combinations`, template (N,) index into ``TEMPLATES``."""
+    combo (N,) index into :func:`training_combinations`, template (N,) index into ``TEMPLATES``; ``trail``: fading
+    copies behind each shape (:class:`~metainfer_gen.video.demo_model.data.ClipSpec`)."""
     shard_dir = Path(work_dir) / "shards"
     shard_dir.mkdir(parents=True, exist_ok=True)
     combos = training_combinations()
@@ -33,7 +34,8 @@ def encode_shards(vae, work_dir: str | Path, num_clips: int, seed: int = 1) -> l
         if path.exists():
             continue
         generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
-        videos, _, specs = sample_batch(SHARD_SIZE, configs.NUM_FRAMES, configs.SIZE, generator, combos=combos)
+        videos, _, specs = sample_batch(SHARD_SIZE, configs.NUM_FRAMES, configs.SIZE, generator, combos=combos,
+                                      trail=trail)
         latents = torch.cat([vae.encode(videos[i:i + 8]).latent_dist.mode() for i in range(0, SHARD_SIZE, 8)])
         shard = {
             "latents": latents,

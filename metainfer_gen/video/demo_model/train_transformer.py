@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="share of clips conditioned on their clean first latent frame (image-to-video)")
     parser.add_argument("--path-weight", type=float, default=0.0,
                         help="extra loss weight on the positions the object crosses (see path_weight; 0: plain)")
+    parser.add_argument("--trail", type=int, default=0,
+                        help="fading copies behind each training shape (data.ClipSpec.trail; 0: the shipped data)")
     parser.add_argument("--init-from", default=None,
                         help="start from the transformer of this pipeline folder (fine-tuning; fresh optimiser)")
     parser.add_argument("--attention-head-dim", type=int, default=configs.TRANSFORMER_CONFIG["attention_head_dim"],
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
 
     work_dir = Path(args.work_dir)
     vae = AutoencoderKLWan.from_pretrained(args.vae_dir).eval().requires_grad_(False)
-    data = load_shards(encode_shards(vae, work_dir, args.num_clips))
+    data = load_shards(encode_shards(vae, work_dir, args.num_clips, trail=args.trail))
     mean, std = latent_statistics(data["latents"], work_dir)
     vae.register_to_config(latents_mean=mean, latents_std=std)
     latents = (data["latents"] - torch.tensor(mean).view(1, -1, 1, 1, 1)) / torch.tensor(std).view(1, -1, 1, 1, 1)
