@@ -40,12 +40,14 @@ def channel_rms_norm_sumsq(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Ten
                            eps: float) -> torch.Tensor:
     """The same with the sum of squares over dim 1 (contiguous planes) instead of ``linalg.vector_norm``."""
     xf = x.float()
-    inverse = torch.rsqrt((xf * xf).sum(dim=1, keepdim=True).clamp_min_(eps * eps))
-    out = (xf * inverse).to(x.dtype)  # a fresh tensor: scaled in place below
-    out.mul_((gamma * math.sqrt(x.shape[1])).to(x.dtype))
-    if isinstance(bias, torch.Tensor):
-        return out.add_(bias.to(x.dtype))
-    return out.add_(bias) if bias else out
+    inverse = torch.rsqrt((xf * xf).sum(dim=1, keepdim=True).clamp(min=eps * eps))
+    out = (xf * inverse).to(x.dtype)
+    scale = (gamma * math.sqrt(x.shape[1])).to(x.dtype)
+    shift = bias.to(x.dtype) if isinstance(bias, torch.Tensor) else bias
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, gamma, bias)):
+        return out * scale + shift  # autograd needs the unscaled tensor kept
+    out.mul_(scale)  # a fresh tensor: scaled in place, one allocation fewer
+    return out.add_(shift) if isinstance(shift, torch.Tensor) or shift else out
 
 
 def _example(device: str, dtype: torch.dtype):

@@ -33,6 +33,20 @@ def test_sumsq_path_matches_f_normalize(shape, gamma_shape, with_bias, dtype):
     assert_close(channel_rms_norm_reference(x, gamma, bias, 1e-12), expected)
 
 
+def test_gradients_match_the_reference():
+    torch.manual_seed(1)
+    x = torch.randn(2, 6, 3, 5, requires_grad=True)
+    gamma = (torch.rand(6, 1, 1) + 0.5).requires_grad_()
+    bias = torch.randn(6, 1, 1, requires_grad=True)
+    grads = []
+    for fn in (channel_rms_norm, lambda *a: channel_rms_norm_reference(*a, 1e-12)):
+        x.grad = gamma.grad = bias.grad = None
+        (fn(x, gamma, bias) * torch.linspace(-1, 1, 5)).sum().backward()
+        grads.append((x.grad.clone(), gamma.grad.clone(), bias.grad.clone()))
+    for got, want in zip(*grads):
+        assert_close(got, want)
+
+
 def test_zero_vector_stays_finite_like_f_normalize():
     x = torch.zeros(1, 4, 2, 2)
     got = channel_rms_norm(x, torch.ones(4, 1, 1))
