@@ -19,6 +19,7 @@ Source followed: diffusers ``models/transformers/transformer_wan.py`` at 0.42.1.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -35,20 +36,24 @@ __all__ = ["WAN_BLOCK_ARGS", "FusedWanAttentionHook", "FusedWanBlockHook", "fuse
 WAN_BLOCK_ARGS = ["hidden_states", "encoder_hidden_states", "temb", "rotary_emb"]
 
 
+@functools.cache
 def _model_hook_base():
+    """The base of every fuse hook: a stateless diffusers ``ModelHook`` holding its :class:`FuseKernelsConfig`
+    (one class, built on the first fuse: ``kernels.fuse`` loads the fuser modules lazily)."""
     from diffusers.hooks import ModelHook
 
-    return ModelHook
+    class FuseHook(ModelHook):
+        _is_stateful = False
+
+        def __init__(self, config: FuseKernelsConfig):
+            super().__init__()
+            self.config = config
+
+    return FuseHook
 
 
 class FusedWanBlockHook(_model_hook_base()):
     """Replaces ``WanTransformerBlock.forward``: adaLN modulate and gated residuals through the kernel registry."""
-
-    _is_stateful = False
-
-    def __init__(self, config: FuseKernelsConfig):
-        super().__init__()
-        self.config = config
 
     def new_forward(self, block, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                     temb: torch.Tensor, rotary_emb, **kwargs) -> torch.Tensor:
@@ -92,12 +97,6 @@ def _half_tables(rotary_emb) -> tuple[torch.Tensor, torch.Tensor]:
 
 class FusedWanAttentionHook(_model_hook_base()):
     """Replaces ``WanAttention.forward`` while its processor is a plain ``WanAttnProcessor``."""
-
-    _is_stateful = False
-
-    def __init__(self, config: FuseKernelsConfig):
-        super().__init__()
-        self.config = config
 
     def new_forward(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                     attention_mask: torch.Tensor | None = None, rotary_emb=None, **kwargs) -> torch.Tensor:

@@ -29,12 +29,6 @@ class FusedWanCausalConv3dHook(_model_hook_base()):
     """Replaces ``WanCausalConv3d.forward(x, cache_x=None)``: causal padding as diffusers, then ``conv3d``
     (audited at the call site ``"WanCausalConv3d"``)."""
 
-    _is_stateful = False
-
-    def __init__(self, config: FuseKernelsConfig):
-        super().__init__()
-        self.config = config
-
     def new_forward(self, conv, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
         width, _, height, _, front, back = conv._padding  # F.pad order: (W, W, H, H, T front, T back)
         if cache_x is not None and front > 0:
@@ -65,12 +59,6 @@ def fuse_wan_causal_conv3d(conv, name: str, config: FuseKernelsConfig) -> str | 
 class FusedWanRMSNormHook(_model_hook_base()):
     """Replaces ``WanRMS_norm.forward(x)`` for ``channel_first=True``: ``channel_rms_norm`` (audited at the call
     site ``"WanRMS_norm"``)."""
-
-    _is_stateful = False
-
-    def __init__(self, config: FuseKernelsConfig):
-        super().__init__()
-        self.config = config
 
     def new_forward(self, norm, x: torch.Tensor) -> torch.Tensor:
         return channel_rms_norm(x, norm.gamma, norm.bias, site="WanRMS_norm", strict=self.config.strict)
