@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from metainfer_gen.video.demo_model import data
-from metainfer_gen.video.demo_model.evaluate import read_clip
+from metainfer_gen.video.demo_model.evaluate import read_clip, trail_direction
 
 
 def to_uint8(video: torch.Tensor) -> np.ndarray:
@@ -101,3 +101,16 @@ def test_trail_zero_draws_the_shipped_data():
     a = data.sample_batch(3, 9, 32, torch.Generator().manual_seed(1))
     b = data.sample_batch(3, 9, 32, torch.Generator().manual_seed(1), trail=0)
     assert torch.equal(a[0], b[0]) and [s.trail for s in a[2]] == [0, 0, 0]
+
+
+def test_trail_direction_reads_single_frames_of_ground_truth_trail_clips():
+    hits = 0
+    for index, combo in enumerate(data.held_out_combinations()):
+        spec = data.sample_spec(combo, 17, 64, torch.Generator().manual_seed(index), trail=2)
+        video, _ = data.render_clip(spec, 17, 64)
+        frames = to_uint8(video)
+        hits += trail_direction(frames, combo[0]) == combo[2]
+        assert trail_direction(frames[:1], combo[0]) == combo[2]  # one frame is enough
+    assert hits == 24
+    blank = np.full((3, 64, 64, 3), 30, dtype=np.uint8)
+    assert trail_direction(blank, "red") is None  # no shape: nothing to read

@@ -74,6 +74,28 @@ def read_clip(frames: np.ndarray) -> ClipReading:
     return ClipReading(colour, direction, shape, (dx, dy), fraction)
 
 
+def trail_direction(frames: np.ndarray, colour: str) -> str | None:
+    """The direction a trail points to (clips of a model trained with ``--trail``), read from single frames.
+
+    Per frame: each pixel's share of the way from the frame's median (background) colour to ``colour``; the
+    centroid of the shape's core (share > 0.75) minus that of its faded copies (0.15-0.6) points the way the shape
+    moves. Summed over frames; None when no frame shows both. frames: uint8 (F, H, W, 3).
+    """
+    target = np.array(COLOURS[colour]) * 255.0
+    ys, xs = np.mgrid[:frames.shape[1], :frames.shape[2]]
+    votes = np.zeros(2)
+    for frame in frames.astype(np.float64):
+        background = np.median(frame.reshape(-1, 3), axis=0)
+        axis = target - background
+        share = (frame - background) @ axis / max(float(axis @ axis), 1e-6)
+        core, faded = share > 0.75, (share > 0.15) & (share < 0.6)
+        if core.sum() >= 5 and faded.sum() >= 5:
+            votes += (xs[core].mean() - xs[faded].mean(), ys[core].mean() - ys[faded].mean())
+    if not votes.any():
+        return None
+    return max(DIRECTIONS, key=lambda name: float(np.dot(DIRECTIONS[name], votes)))
+
+
 def evaluate(model: str | None = None, num_inference_steps: int | None = None, guidance_scale: float | None = None,
              seed: int = 0, combos: list | None = None, trail: int = 0) -> dict:
     """Render every held-out prompt with text-to-video and image-to-video; return accuracies and per-clip rows.
@@ -105,6 +127,8 @@ def evaluate(model: str | None = None, num_inference_steps: int | None = None, g
                    "read": asdict(reading), "seconds": round(out.stats.seconds, 2)}
             if task == "i2v":
                 row["first_frame_psnr"] = round(psnr(out.frames[0], image), 2)
+            if trail:
+                row["trail_direction"] = trail_direction(out.frames, colour)
             rows.append(row)
     summary = {}
     for task in ("t2v", "i2v"):
@@ -116,6 +140,9 @@ def evaluate(model: str | None = None, num_inference_steps: int | None = None, g
             "shape_accuracy": np.mean([r["read"]["shape"] == r["shape"] for r in task_rows]).item(),
             "mean_seconds": np.mean([r["seconds"] for r in task_rows]).item(),
         }
+        if trail:  # does the trail, a per-frame cue, point where the word says?
+            summary[task]["trail_direction_accuracy"] = np.mean(
+                [r["trail_direction"] == r["direction"] for r in task_rows]).item()
     i2v_rows = [r for r in rows if r["task"] == "i2v"]
     summary["i2v"]["first_frame_psnr_min"] = min(r["first_frame_psnr"] for r in i2v_rows)
     summary["i2v"]["first_frame_psnr_mean"] = float(np.mean([r["first_frame_psnr"] for r in i2v_rows]))
