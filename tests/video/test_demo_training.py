@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from metainfer_gen.video.demo_model.train_transformer import path_weight, shifted_sigmas
@@ -27,3 +28,15 @@ def test_shifted_sigmas_stay_in_range_and_high_noise_draws_only_when_asked():
     assert 0 <= plain.min() and plain.max() < 1 and plain.median() > 0.5  # shift 3 leans to high noise
     high = shifted_sigmas(1000, 3.0, torch.Generator().manual_seed(0), high_noise_fraction=1.0)
     assert high.min() >= 0.9
+
+
+def test_shards_of_other_data_are_refused_before_any_encoding(tmp_path):
+    from metainfer_gen.video.demo_model.latents import encode_shards
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    torch.save({}, shards / "shard_0000.pt")  # a shard from before the record: the shipped data, trail 0
+    with pytest.raises(ValueError, match="trail=0, not 2"):
+        encode_shards(None, tmp_path, 64, trail=2)
+    assert encode_shards(None, tmp_path, 64) == [shards / "shard_0000.pt"]  # same data: reused, nothing encoded
+    assert (shards / "data.json").read_text().strip() == '{"trail": 0}'

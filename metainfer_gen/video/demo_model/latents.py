@@ -23,9 +23,20 @@ SHARD_SIZE = 64
 def encode_shards(vae, work_dir: str | Path, num_clips: int, seed: int = 1, trail: int = 0) -> list[Path]:
     """Write ``ceil(num_clips / 64)`` shards, each a dict: latents (N, z, F', h, w) float32 (raw, not normalised),
     combo (N,) index into :func:`training_combinations`, template (N,) index into ``TEMPLATES``; ``trail``: fading
-    copies behind each shape (:class:`~metainfer_gen.video.demo_model.data.ClipSpec`)."""
+    copies behind each shape (:class:`~metainfer_gen.video.demo_model.data.ClipSpec`), recorded in
+    ``shards/data.json``.
+
+    Raises:
+        ValueError: the folder's shards were drawn with another ``trail`` (they would be reused silently).
+    """
     shard_dir = Path(work_dir) / "shards"
     shard_dir.mkdir(parents=True, exist_ok=True)
+    record = shard_dir / "data.json"
+    drawn = json.loads(record.read_text()).get("trail", 0) if record.exists() else (
+        0 if any(shard_dir.glob("shard_*.pt")) else trail)  # shards from before the record: the shipped data
+    if drawn != trail:
+        raise ValueError(f"{shard_dir} holds clips drawn with trail={drawn}, not {trail}: use another --work-dir")
+    record.write_text(json.dumps({"trail": trail}) + "\n")
     combos = training_combinations()
     paths = []
     for index in range((num_clips + SHARD_SIZE - 1) // SHARD_SIZE):
