@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from metainfer_gen.kernels import adaln, channel_norm, conv, kv_cache, norm, rotary  # noqa: E402
+from metainfer_gen.kernels import adaln, channel_norm, conv, kv_cache, norm, rotary, timestep_embed  # noqa: E402
 from metainfer_gen.kernels.registry import Op  # noqa: E402
 
 
@@ -95,6 +95,9 @@ CASES = [
     # A decoder feature map of the embedded Wan VAE (its WanRMS_norm), also at --quick.
     Case("channel_rms_norm", channel_norm.CHANNEL_RMS_NORM,
          lambda d, t, q: channel_norm.CHANNEL_RMS_NORM.example(d, t)[0], lambda a: 2 * _nbytes(a[0])),
+    # The embedded model's condition embedder on 2 x 320 per-token timesteps (TI2V), also at --quick.
+    Case("timestep_embedding", timestep_embed.TIMESTEP_EMBEDDING,
+         lambda d, t, q: timestep_embed.TIMESTEP_EMBEDDING.example(d, t)[0], lambda a: _nbytes(a[0])),
 ]
 
 

@@ -35,6 +35,7 @@ _EXPORTS = {
     "moe_experts": "metainfer_gen.kernels.moe",
     "conv3d": "metainfer_gen.kernels.conv",
     "channel_rms_norm": "metainfer_gen.kernels.channel_norm",
+    "timestep_embedding": "metainfer_gen.kernels.timestep_embed",
     "audit": "metainfer_gen.kernels.audit_log",
     "global_audit": "metainfer_gen.kernels.audit_log",
     "Audit": "metainfer_gen.kernels.audit_log",

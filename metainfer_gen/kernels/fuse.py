@@ -45,6 +45,8 @@ class FuseKernelsConfig:
             :mod:`metainfer_gen.kernels.conv`).
         channel_norm: video VAEs: Wan's channels-first RMS norms through ``channel_rms_norm`` (see
             :mod:`metainfer_gen.kernels.channel_norm`).
+        timestep_embedding: Wan's condition embedder: the per-token timestep MLP once per distinct timestep
+            through ``timestep_embedding`` (see :mod:`metainfer_gen.kernels.timestep_embed`).
         strict: passed to every dispatch (None = the ``METAINFER_STRICT_FAST_PATH`` variable).
     """
 
@@ -53,10 +55,11 @@ class FuseKernelsConfig:
     rope: bool = True
     conv3d: bool = True
     channel_norm: bool = True
+    timestep_embedding: bool = True
     strict: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("adaln", "qk_norm", "rope", "conv3d", "channel_norm"):
+        for name in ("adaln", "qk_norm", "rope", "conv3d", "channel_norm", "timestep_embedding"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"FuseKernelsConfig.{name} must be a bool; got {getattr(self, name)!r}")
         if self.strict is not None and not isinstance(self.strict, bool):
@@ -84,6 +87,7 @@ class FuseReport:
 _FUSERS: dict[str, Fuser | str] = {
     "WanTransformerBlock": "metainfer_gen.kernels.fuse_wan:fuse_wan_block",
     "WanAttention": "metainfer_gen.kernels.fuse_wan:fuse_wan_attention",
+    "WanTimeTextImageEmbedding": "metainfer_gen.kernels.fuse_wan_embedder:fuse_wan_condition_embedder",
     "WanCausalConv3d": "metainfer_gen.kernels.fuse_wan_vae:fuse_wan_causal_conv3d",
     "WanRMS_norm": "metainfer_gen.kernels.fuse_wan_vae:fuse_wan_rms_norm",
 }

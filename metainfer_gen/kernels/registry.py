@@ -54,6 +54,7 @@ BUILTIN_KERNEL_MODULES: list[str] = [
     "metainfer_gen.kernels.moe",
     "metainfer_gen.kernels.conv",
     "metainfer_gen.kernels.channel_norm",
+    "metainfer_gen.kernels.timestep_embed",
 ]
 
 Example = Callable[[str, Any], tuple[tuple, dict]]

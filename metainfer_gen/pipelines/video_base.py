@@ -97,13 +97,16 @@ class VideoPipelineBase:
         self.rules.check(prompt=given.get("prompt"), **values)
         return values
 
-    def enable_fused_kernels(self, transformer: bool = True, vae: bool = True) -> None:
+    def enable_fused_kernels(self, transformer: bool = True, vae: bool = True, config: Any = None) -> None:
         """Swap the registry's kernels into the model from outside (removable; see ``kernels.fuse_kernels``).
 
         Args:
-            transformer: the transformer blocks' fused adaLN, q/k norm and rotary kernels.
+            transformer: the transformer blocks' fused adaLN, q/k norm and rotary kernels, and the condition
+                embedder's per-token timestep MLP once per distinct timestep (``kernels.timestep_embedding``).
             vae: the video VAE's causal 3-D convolutions through ``kernels.conv3d`` (oneDNN on the CPU, where
-                PyTorch's own size rule picks its slow path: the embedded model's decode 2.3-2.7x faster).
+                PyTorch's own size rule picks its slow path: the embedded model's decode 2.3-2.7x faster) and its
+                channel norms through ``kernels.channel_rms_norm``.
+            config: a ``kernels.FuseKernelsConfig`` choosing the ops (default: all).
         Modules that already carry the kernels (a pipeline made with ``from_pipe`` shares them) are left as they are.
         """
         from metainfer_gen.kernels import fuse_kernels
@@ -111,7 +114,7 @@ class VideoPipelineBase:
 
         for model in self._fusable(transformer, vae):
             if not is_fused(model):
-                fuse_kernels(model)
+                fuse_kernels(model, config)
 
     def disable_fused_kernels(self) -> None:
         """Take every kernel that :meth:`enable_fused_kernels` swapped in out again."""

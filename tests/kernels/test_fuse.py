@@ -45,15 +45,16 @@ def test_fused_model_matches_unfused_and_unfuse_restores_forwards(no_interpret, 
     forwards = {name: m.forward for name, m in model.named_modules()}
     expected = _run(model, inputs)
     report = fuse_kernels(model)
-    assert sorted(report.fused) == sorted(
-        [f"blocks.{i}" for i in range(2)] + [f"blocks.{i}.attn{j}" for i in range(2) for j in (1, 2)])
+    assert sorted(report.fused) == sorted(["condition_embedder"] + [f"blocks.{i}" for i in range(2)]
+                                          + [f"blocks.{i}.attn{j}" for i in range(2) for j in (1, 2)])
     assert report.skipped == {}
     with audit() as trace:
         got = _run(model, inputs)
     torch.testing.assert_close(got, expected, atol=ATOL[dtype], rtol=ATOL[dtype])
-    assert set(trace.paths()) == {"adaln_modulate", "gated_residual", "rms_norm", "rope"}
+    assert set(trace.paths()) == {"adaln_modulate", "gated_residual", "rms_norm", "rope", "timestep_embedding"}
     assert trace.paths()["adaln_modulate"] == {"torch": 4}  # 2 blocks x (norm1, norm3); tiny: eager is fastest
-    assert unfuse_kernels(model) == 6
+    assert trace.paths()["timestep_embedding"] == {"unique": 1}
+    assert unfuse_kernels(model) == 7
     assert not is_fused(model)
     for name, module in model.named_modules():
         assert module.forward == forwards[name], name
@@ -68,7 +69,9 @@ def test_fused_model_runs_the_triton_kernels_and_matches(interpret):
     with audit() as trace:
         got = _run(model, inputs)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    assert all(paths == {"triton": n} for paths in trace.paths().values() for n in paths.values())
+    paths = trace.paths()
+    assert paths.pop("timestep_embedding") == {"unique": 1}  # no Triton kernel: torch.unique and a gather
+    assert all(p == {"triton": n} for p in paths.values() for n in p.values())
     assert trace.all_fast
 
 
@@ -76,9 +79,10 @@ def test_config_selects_what_is_fused(no_interpret):
     model = _tiny_wan()
     inputs = _inputs()
     expected = _run(model, inputs)
-    report = fuse_kernels(model, FuseKernelsConfig(adaln=False, rope=False))
+    report = fuse_kernels(model, FuseKernelsConfig(adaln=False, rope=False, timestep_embedding=False))
     assert report.skipped == {"blocks.0": "adaln disabled in FuseKernelsConfig",
-                              "blocks.1": "adaln disabled in FuseKernelsConfig"}
+                              "blocks.1": "adaln disabled in FuseKernelsConfig",
+                              "condition_embedder": "timestep_embedding disabled in FuseKernelsConfig"}
     with audit() as trace:
         got = _run(model, inputs)
     assert set(trace.paths()) == {"rms_norm"}
@@ -139,8 +143,9 @@ def test_audit_of_a_pipeline_call_lists_the_paths_taken(no_interpret, tiny_wan_d
     calls = out.stats.transformer_calls
     assert calls >= 2
     paths = trace.paths()
-    assert set(paths) == {"adaln_modulate", "gated_residual", "rms_norm", "rope"}
+    assert set(paths) == {"adaln_modulate", "gated_residual", "rms_norm", "rope", "timestep_embedding"}
     num_layers = transformer.config.num_layers
     assert sum(paths["adaln_modulate"].values()) == 2 * num_layers * calls
+    assert paths["timestep_embedding"] == {"unique": calls}
     assert "WanTransformerBlock.norm1" in trace.summary()
     assert abs(out.frames.astype(int) - expected.astype(int)).max() <= 1  # uint8 frames: rounding at most

@@ -4,12 +4,15 @@ Wan's ``WanTimeTextImageEmbedding`` (diffusers ``transformer_wan.py``) runs on e
 timestep (per token for Wan 2.2 TI2V) and projects the prompt embedding. Within one pipeline call the prompt
 embedding of a CFG branch is the same tensor at every step, and both branches of a step share the timestep, so
 all but one projection per branch and one timestep embedding per step repeat work whose result is known. The hook
-below computes the same expressions as diffusers (verbatim, so outputs are bit-identical) and looks each part up
-by value first (``torch.equal`` against the inputs it was computed from). Everything is forgotten when the cache
-state resets (at the end of every pipeline call: diffusers' ``maybe_free_model_hooks`` and our pipelines both
-reset it), so weights changed between calls (a LoRA loaded) are never served stale. On the embedded model it
-takes the embedder from 0.15 to 0.10 s per 50-step guided clip (the timestep embedding is per token and still
-runs once per step).
+below looks each part up by value first (``torch.equal`` against the inputs it was computed from); on a miss of
+the timestep it calls the embedder's own forward (diffusers', or the fused one of
+:mod:`metainfer_gen.kernels.fuse_wan_embedder` when the kernels are fused: the step cache adds nothing to that
+computation, so its outputs are bit-identical to the uncached model's), and on a miss of the prompt alone it runs
+the embedder's ``text_embedder`` as that forward does. Everything is forgotten when the cache state resets (at
+the end of every pipeline call: diffusers' ``maybe_free_model_hooks`` and our pipelines both reset it), so
+weights changed between calls (a LoRA loaded) are never served stale. On the embedded model it took the embedder
+from 0.15 to 0.10 s per 50-step guided clip (2 threads; the rest is one timestep embedding per step, which
+``timestep_embedding`` shrinks in turn).
 """
 
 from __future__ import annotations
@@ -19,14 +22,15 @@ import inspect
 import torch
 from diffusers.hooks.hooks import ModelHook
 
+from metainfer_gen.kernels.fuse_wan_embedder import WAN_EMBEDDER_ARGS
+
 EMBED_HOOK = "metainfer_step_cache_embed"
-_ARGS = ["timestep", "encoder_hidden_states", "encoder_hidden_states_image", "timestep_seq_len"]
 _PARTS = ("timesteps_proj", "time_embedder", "time_proj", "act_fn", "text_embedder")
 _MAX_ENTRIES = 4  # prompt embeddings kept per call (two CFG branches, or a batch split in a few)
 
 
 class EmbedMemoHook(ModelHook):
-    """Replaces ``WanTimeTextImageEmbedding.forward`` with the same computation plus value-keyed reuse."""
+    """Wraps ``WanTimeTextImageEmbedding.forward`` with value-keyed reuse of its timestep and prompt parts."""
 
     _is_stateful = False
 
@@ -46,30 +50,34 @@ class EmbedMemoHook(ModelHook):
                 and self.time[0].shape == timestep.shape and torch.equal(self.time[0], timestep):
             temb, timestep_proj = self.time[3]
             self.hits += 1
+            text = self._text(module, encoder_hidden_states)
         else:
-            projected = module.timesteps_proj(timestep)
-            if timestep_seq_len is not None:
-                projected = projected.unflatten(0, (-1, timestep_seq_len))
-            embedder_dtype = next(iter(module.time_embedder.parameters())).dtype
-            if projected.dtype != embedder_dtype and embedder_dtype != torch.int8:
-                projected = projected.to(embedder_dtype)
-            temb = module.time_embedder(projected).type_as(encoder_hidden_states)
-            timestep_proj = module.time_proj(module.act_fn(temb))
+            temb, timestep_proj, text, _ = self.fn_ref.original_forward(timestep, encoder_hidden_states, None,
+                                                                        timestep_seq_len)
             self.time = (timestep.clone(), timestep_seq_len, encoder_hidden_states.dtype, (temb, timestep_proj))
-        text = self._text(module, encoder_hidden_states)
+            self._remember_text(encoder_hidden_states, text)
         if encoder_hidden_states_image is not None:
             encoder_hidden_states_image = module.image_embedder(encoder_hidden_states_image)
         return temb, timestep_proj, text, encoder_hidden_states_image
 
     def _text(self, module, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
-        for source, projected in self.text:
-            if source.shape == encoder_hidden_states.shape and source.dtype == encoder_hidden_states.dtype \
-                    and torch.equal(source, encoder_hidden_states):
-                self.hits += 1
-                return projected
+        projected = self._lookup(encoder_hidden_states)
+        if projected is not None:
+            self.hits += 1
+            return projected
         projected = module.text_embedder(encoder_hidden_states)
-        self.text = [*self.text[-(_MAX_ENTRIES - 1):], (encoder_hidden_states.clone(), projected)]
+        self._remember_text(encoder_hidden_states, projected)
         return projected
+
+    def _lookup(self, source: torch.Tensor) -> torch.Tensor | None:
+        for known, projected in self.text:
+            if known.shape == source.shape and known.dtype == source.dtype and torch.equal(known, source):
+                return projected
+        return None
+
+    def _remember_text(self, source: torch.Tensor, projected: torch.Tensor) -> None:
+        if self._lookup(source) is None:
+            self.text = [*self.text[-(_MAX_ENTRIES - 1):], (source.clone(), projected)]
 
 
 def install_embed_memo(transformer: torch.nn.Module) -> EmbedMemoHook | None:
@@ -79,7 +87,7 @@ def install_embed_memo(transformer: torch.nn.Module) -> EmbedMemoHook | None:
     embedder = getattr(transformer, "condition_embedder", None)
     if embedder is None or not all(hasattr(embedder, name) for name in _PARTS):
         return None
-    if list(inspect.signature(type(embedder).forward).parameters)[1:] != _ARGS:
+    if list(inspect.signature(type(embedder).forward).parameters)[1:] != WAN_EMBEDDER_ARGS:
         return None  # a diffusers version with another embedder: leave it alone
     hook = EmbedMemoHook()
     HookRegistry.check_if_exists_or_initialize(embedder).register_hook(hook, EMBED_HOOK)
