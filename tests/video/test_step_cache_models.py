@@ -144,3 +144,34 @@ def test_wan22_two_experts_get_separate_state_and_both_reuse(tiny_wan_dir):
         assert all(r["computed"] for r in mine if r["step"] <= first + 1)
     assert [r["step"] for r in steps if r["branch"] == "cond"] == list(range(12))
     assert out.stats.block_evaluations < plain.stats.block_evaluations
+
+
+def test_residuals_are_extrapolated_over_the_step_index_not_the_timestep(monkeypatch):
+    """Schedulers space steps evenly in their own coordinate, not in the (shifted) timestep: the positions the
+    residuals are stored and extrapolated at are the step numbers, whatever the timesteps."""
+    from metainfer_gen.video.cache.state import BranchState
+
+    torch.manual_seed(0)
+    model, latents, extra = FAMILIES["wan"]()
+    seen = {"store": [], "estimate": []}
+    for name in seen:
+        original = getattr(BranchState, name)
+
+        def spy(self, position, *args, _original=original, _name=name, **kwargs):
+            seen[_name].append(position)
+            return _original(self, position, *args, **kwargs)
+
+        monkeypatch.setattr(BranchState, name, spy)
+    apply_step_cache(model.eval(), PERMISSIVE)
+    timesteps = [999.0, 990.0, 950.0, 800.0, 400.0, 100.0, 20.0]  # shifted-schedule-like: dense early
+    begin_step_cache_call(model, len(timesteps))
+    with torch.no_grad():
+        for t in timesteps:
+            latents = latents - 0.1 * model(hidden_states=latents, timestep=torch.tensor([t]), return_dict=False,
+                                            **extra)[0]
+    stats = end_step_cache_call(model)
+    remove_step_cache(model)
+    assert seen["store"] == [float(r.step) for r in stats.steps if r.computed]
+    reused = [float(r.step) for r in stats.steps if not r.computed]
+    # Reused steps estimate their residual; computed ones after two others measure the extrapolation's error.
+    assert reused and set(reused) <= set(seen["estimate"]) <= {float(r.step) for r in stats.steps}

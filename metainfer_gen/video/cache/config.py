@@ -46,8 +46,8 @@ class StepCacheConfig:
         max_consecutive_reuses: cap on reused steps in a row per branch (>= 1).
         compute_last_step: always compute the final step (needs the step count, which our pipelines pass).
         extrapolate: on every reused step after two computed ones, add the first-order extrapolation of the
-            residual from the last two computed steps (in timestep) instead of the last residual; the budget counts
-            the smaller of the two predicted errors.
+            residual from the last two computed steps (over the step index) instead of the last residual; the
+            budget counts the smaller of the two predicted errors.
         gate_aware: on Wan-style blocks (adaLN-gated attention and feed-forward), keep the modules' outputs
             instead of the gated sum and rebuild the residual with the reused step's own gates
             (:mod:`~metainfer_gen.video.cache.gated`); other blocks keep the gated sum either way.

@@ -41,7 +41,7 @@ def signal_between(new: tuple[torch.Tensor, ...], old: tuple[torch.Tensor, ...] 
 
 @dataclass(slots=True)
 class ComputedResidual:
-    """Residual of the cached blocks on a computed step. ``position``: timestep (or step) coordinate;
+    """Residual of the cached blocks on a computed step. ``position``: the step index it was computed at;
     ``gated_summary``: the summed module outputs when the blocks are gated (:mod:`~metainfer_gen.video.cache.gated`),
     else None."""
 
