@@ -14,10 +14,11 @@ of the pipeline call, speedup against no cache, PSNR (dB) and SSIM of the decode
 of the same seed and prompt (identical clips count 100 dB), and the demo model's prompt adherence (colour and
 direction read back from the frames; ``-`` on the random model). Policies run round-robin per prompt, so machine
 load drifting over the run hits all of them alike; an untimed uncached call warms the process up first, and
-MagCache gets one untimed call more (it calibrates there). Every row decodes with the VAE's causal convolutions on
-the registry's ``conv3d`` (oneDNN on the CPU) and its norms on ``channel_rms_norm`` (``--vae-kernels stock`` keeps
-diffusers' own, which PyTorch sends to its slow paths here): the part of a clip no step cache can touch, the same
-for all rows.
+MagCache gets one untimed call more (it calibrates there). Every row runs the registry's kernels outside the
+transformer blocks (``--kernels stock`` keeps diffusers' own, which PyTorch sends to slow paths here): the VAE's
+causal convolutions on ``conv3d`` (oneDNN on the CPU) and its norms on ``channel_rms_norm``, the condition
+embedder's per-token timestep MLP on ``timestep_embedding`` (once per distinct timestep): the parts of a clip a
+step cache does not skip, the same for all rows. The blocks, which the caches skip, stay diffusers' own.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from metainfer_gen.kernels import FuseKernelsConfig  # noqa: E402
 from metainfer_gen.video.quality import psnr, ssim  # noqa: E402
 
 POLICIES = ("off", "fbcache=0.05", "fbcache=0.1", "magcache", "taylorseer", "dbcache", "quality", "balanced", "fast")
@@ -42,6 +44,8 @@ RANDOM_POLICIES = ("off", "fbcache=0.1", "fbcache=0.2", "magcache", "taylorseer"
 PSNR_CAP_DB = 100.0  # identical clips (infinite PSNR) count as 100 dB in the means
 BASELINE_PREFIXES = ("off", "fbcache", "magcache", "taylorseer", "dbcache")
 COLUMNS = ("setup", "policy", "blocks", "seconds", "speedup", "psnr_db", "ssim", "adherence")
+# The kernels every row runs (--kernels fused): those outside the transformer blocks, which no cache skips.
+OUTSIDE_BLOCKS = FuseKernelsConfig(adaln=False, qk_norm=False, rope=False)
 
 
 def prompts_and_images(num_prompts: int, size: int, num_frames: int) -> list[tuple[str, np.ndarray, tuple]]:
@@ -218,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
                         "--num-prompts)")
     parser.add_argument("--large-policies", default=",".join(RANDOM_POLICIES), help="random setup: cache specs")
     parser.add_argument("--quick", action="store_true", help="smoke run: 5 frames at 32x32 (64x64 for SSIM)")
-    parser.add_argument("--vae-kernels", choices=("fused", "stock"), default="fused",
-                        help="VAE convolutions and norms through the kernel registry (default) or diffusers' own")
+    parser.add_argument("--kernels", choices=("fused", "stock"), default="fused",
+                        help="VAE convolutions and norms and the timestep embedding through the kernel registry "
+                             "(default) or diffusers' own")
     parser.add_argument("--repeats", type=int, default=1,
                         help="clips per policy and prompt, round-robin; the fastest counts (default 1)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
@@ -242,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     if "embedded" in setups:
         t2v = TextToVideoPipeline.from_pretrained(args.model, device=args.device, torch_dtype=dtype)
         t2v.set_progress_bar_config(disable=True)
-        if args.vae_kernels == "fused":
-            t2v.enable_fused_kernels(transformer=False)
+        if args.kernels == "fused":
+            t2v.enable_fused_kernels(config=OUTSIDE_BLOCKS)
         size = t2v.default("height")
         items = prompts_and_images(args.num_prompts + 1, size, frames)
         rows += bench_setup("embedded" if args.model is None else Path(args.model).name,
@@ -254,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     if "random" in setups:
         large = large_random_pipeline(args.device, dtype, args.large_layers, args.large_width, args.large_vae)
         large.set_progress_bar_config(disable=True)
-        if args.vae_kernels == "fused":
-            large.enable_fused_kernels(transformer=False)
+        if args.kernels == "fused":
+            large.enable_fused_kernels(config=OUTSIDE_BLOCKS)
         large_size = 64 if args.quick else args.large_size
         large_call = {**call, "height": large_size, "width": large_size,
                       "num_frames": 5 if args.quick else args.large_frames,
