@@ -14,9 +14,9 @@ from metainfer_gen.apps.cli import main
 
 OPS = ("rms_norm", "fused_add_rms_norm", "rope", "adaln_modulate", "gated_residual", "store_kv_cache",
        "fp8_act_quant", "fp8_weight_dequant", "fp8_block_gemm", "indexer_topk", "sparse_mla", "moe_experts",
-       "conv3d", "channel_rms_norm")
+       "conv3d", "channel_rms_norm", "timestep_embedding")
 # Ops whose fastest implementation runs on a CPU-only machine too (plain torch; oneDNN, built into the CPU wheel).
-TORCH_FASTEST = ("moe_experts", "conv3d", "channel_rms_norm")
+TORCH_FASTEST = ("moe_experts", "conv3d", "channel_rms_norm", "timestep_embedding")
 
 
 @pytest.fixture(autouse=True)
@@ -41,6 +41,7 @@ def test_doctor_prints_machine_versions_and_every_op(capsys):
         assert "moe_experts          runs grouped" in out
         assert "conv3d               runs onednn" in out
         assert "channel_rms_norm     runs sumsq" in out
+        assert "timestep_embedding   runs unique" in out
         assert f"{len(TORCH_FASTEST)} of {len(OPS)} ops run their fastest path here" in out
 
 
