@@ -12,7 +12,8 @@ SIGNALS = ("input", "first_block")  # what the cheap per-step signal is measured
 # 50 steps with a calibration, 4 warm-up steps and gate-aware residuals (3 held-out prompts, T2V, mean PSNR vs the
 # uncached clip at block evaluations of 600): budget 0.1 48.7 dB at 324, 0.3 (balanced) 41.8 dB at 216, 0.6
 # 34.0 dB at 180, 0.8 31.9 dB at 156, 1.0 (fast) 30.4 dB at 144, 1.5 29.5 dB at 132; quality sits at 0.15 so that
-# it keeps over 40 dB with fewer blocks. The README's table has the 8-prompt figures.
+# it keeps over 40 dB with fewer blocks (figures from before residuals were extrapolated over the step index instead
+# of the timestep, which keeps 0.3-0.5 dB more at the same blocks). The README's table has the 8-prompt figures.
 PRESETS: dict[str, tuple[float, int]] = {
     "quality": (0.15, 3),
     "balanced": (0.3, 4),
