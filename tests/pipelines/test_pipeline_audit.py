@@ -40,6 +40,18 @@ def test_vae_kernels_alone_and_from_pipe_sharing_them(pipe):
     assert np.array_equal(pipe("a red circle moving right", **CALL).frames, reference)
 
 
+def test_a_config_picks_the_ops_outside_the_blocks(pipe):
+    from metainfer_gen.kernels import FuseKernelsConfig
+
+    reference = pipe("a red circle moving right", **CALL).frames
+    pipe.enable_fused_kernels(config=FuseKernelsConfig(adaln=False, qk_norm=False, rope=False))
+    fused = pipe("a red circle moving right", **CALL).frames
+    assert set(pipe.last_audit.paths()) == {"conv3d", "channel_rms_norm", "timestep_embedding"}
+    assert np.abs(fused.astype(int) - reference.astype(int)).max() <= 1
+    pipe.disable_fused_kernels()
+    assert np.array_equal(pipe("a red circle moving right", **CALL).frames, reference)
+
+
 def test_cli_audit_flag_prints_the_summary(tiny_wan_dir, tmp_path, capsys):
     from metainfer_gen.apps.cli import main
 
