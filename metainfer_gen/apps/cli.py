@@ -29,12 +29,13 @@ def _positive_int(text: str) -> int:
 
 
 def _cache_spec(text: str) -> str:
-    from metainfer_gen.video.cache.policies import parse_spec
+    """Validate a ``--cache`` spec completely (name and value, e.g. ``auto=-1``) before any model is loaded."""
+    from metainfer_gen.video.cache.policies import make_policy
 
     try:
-        parse_spec(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        make_policy(text)
+    except (ValueError, ImportError) as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
     return text
 
 

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -370,6 +371,8 @@ def render_batch(
         except Exception as exc:  # noqa: BLE001 - one failing clip must not stop the batch; the error is recorded
             record.update(status="error", error=f"{type(exc).__name__}: {exc}")
             summary.failed += 1
+            if shard.writes:  # say why on the terminal too, not only in the manifest
+                tqdm.write(f"line {job.line} failed: {record['error']}", file=sys.stderr)
         record["seconds"] = round(time.perf_counter() - started, 3)
         if shard.writes:
             manifest.write(jobs, record)

@@ -217,7 +217,7 @@ def clip_facts(out_dir: Path) -> dict[str, tuple[int, int]]:
     return {p.name: (p.stat().st_mtime_ns, p.stat().st_ino) for p in out_dir.iterdir() if p.name != MANIFEST}
 
 
-def test_batch_renders_every_good_line_and_records_every_job_in_order(tmp_path, tiny_pipes):
+def test_batch_renders_every_good_line_and_records_every_job_in_order(tmp_path, tiny_pipes, capsys):
     write_image(tmp_path / "ref.png")
     path = write_prompts(tmp_path, [
         "# a small batch",
@@ -236,6 +236,8 @@ def test_batch_renders_every_good_line_and_records_every_job_in_order(tmp_path, 
 
     assert (summary.rendered, summary.skipped, summary.failed) == (4, 0, 2)
     assert summary.manifest == str(out / MANIFEST)
+    failures = [line for line in capsys.readouterr().err.splitlines() if " failed: " in line]
+    assert [f.split(" failed: ")[0] for f in failures] == ["line 5", "line 6"]  # why, on the terminal as well
     # The bad line never reaches the pipeline; the missing image fails inside it.
     assert pipes.rendered == ["a red circle moving right", "a blue square", "the square moves up", "no such image",
                               "a green triangle"]

@@ -45,8 +45,17 @@ def test_single_clip_reports_reuse_and_off_reports_none(tmp_path, tiny_wan_dir, 
     assert "cache" not in capsys.readouterr().out.split("transformer calls")[1]
 
 
-def test_an_unknown_cache_policy_is_a_usage_error(capsys):
+@pytest.mark.parametrize("spec, message", [("teacache", "unknown cache policy"),
+                                           ("auto=-1", "error_budget must be a finite number > 0"),
+                                           ("taylorseer=0", "interval must be a whole number")])
+def test_a_bad_cache_spec_is_a_usage_error_before_any_model_loads(spec, message, capsys, monkeypatch):
+    from metainfer_gen.pipelines import TextToVideoPipeline
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded for a bad --cache")
+
+    monkeypatch.setattr(TextToVideoPipeline, "from_pretrained", no_load)
     with pytest.raises(SystemExit) as exit_info:
-        main(["render", "x", "--cache", "teacache"])
+        main(["render", "x", "--cache", spec])
     assert exit_info.value.code == 2
-    assert "unknown cache policy" in capsys.readouterr().err
+    assert message in capsys.readouterr().err

@@ -143,5 +143,12 @@ def test_policy_specs_parse_and_bad_ones_raise():
         make_policy("fbcache=high")
     with pytest.raises(ValueError, match="error_budget"):
         make_policy("auto=-1")
+    for spec in ("fbcache=-0.1", "magcache=0", "dbcache=-1", "fbcache=inf"):
+        with pytest.raises(ValueError, match=r"threshold must be a finite number > 0 \(e.g. "):
+            make_policy(spec)
+    for spec in ("taylorseer=0", "taylorseer=2.5"):  # 0 divided by zero deep inside diffusers before
+        with pytest.raises(ValueError, match="interval must be a whole number of steps >= 1"):
+            make_policy(spec)
+    assert make_policy("taylorseer=3").name == "taylorseer=3"
     with pytest.raises(TypeError):
         make_policy(3)

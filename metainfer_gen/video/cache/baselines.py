@@ -16,6 +16,7 @@ import ast
 import contextlib
 import io
 import logging
+import math
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -23,10 +24,20 @@ from metainfer_gen.video.cache.blocks import find_blocks
 from metainfer_gen.video.cache.policies import CachePolicy, DiffusersCachePolicy, denoisers
 
 
+def _threshold(policy: str, value: float | None, default: float) -> float:
+    """``value`` (or ``default`` when None) checked as a baseline's threshold: finite and > 0."""
+    if value is None:
+        return default
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"the {policy} threshold must be a finite number > 0 (e.g. {policy}={default:g}); got "
+                         f"{value:g}")
+    return value
+
+
 def _fbcache(value: float | None) -> CachePolicy:
     from diffusers.hooks import FirstBlockCacheConfig
 
-    threshold = 0.05 if value is None else value
+    threshold = _threshold("fbcache", value, 0.05)
     return DiffusersCachePolicy(f"fbcache={threshold:g}", lambda model, steps: FirstBlockCacheConfig(threshold))
 
 
@@ -46,6 +57,9 @@ def taylorseer_identifiers(transformer) -> list[str]:
 def _taylorseer(value: float | None) -> CachePolicy:
     from diffusers.hooks import TaylorSeerCacheConfig
 
+    if value is not None and (not math.isfinite(value) or value != int(value) or value < 1):
+        raise ValueError(f"the taylorseer interval must be a whole number of steps >= 1 (e.g. taylorseer=5); got "
+                         f"{value:g}")
     interval = 5 if value is None else int(value)
     return DiffusersCachePolicy(f"taylorseer={interval}", lambda model, steps: TaylorSeerCacheConfig(
         cache_interval=interval, disable_cache_before_step=3, max_order=1, taylor_factors_dtype=None,
@@ -142,7 +156,7 @@ class DBCachePolicy(CachePolicy):
 
 BASELINES: dict[str, Callable[[float | None], CachePolicy]] = {
     "fbcache": _fbcache,
-    "magcache": lambda value: MagCachePolicy(0.06 if value is None else value),
+    "magcache": lambda value: MagCachePolicy(_threshold("magcache", value, 0.06)),
     "taylorseer": _taylorseer,
-    "dbcache": lambda value: DBCachePolicy(0.08 if value is None else value),
+    "dbcache": lambda value: DBCachePolicy(_threshold("dbcache", value, 0.08)),
 }
