@@ -16,9 +16,9 @@ def _mlp():
     torch.manual_seed(0)
     first, second = torch.nn.Linear(8, 16), torch.nn.Linear(16, 48)
 
-    def embed(t):
-        angles = t.float()[:, None] * torch.linspace(0.01, 1.0, 4)[None]
-        hidden = first(torch.cat([angles.sin(), angles.cos()], dim=1))
+    def embed(t):  # row-wise over the last dimension, so any leading shape works
+        angles = t.float().unsqueeze(-1) * torch.linspace(0.01, 1.0, 4)
+        hidden = first(torch.cat([angles.sin(), angles.cos()], dim=-1))
         return hidden, second(torch.nn.functional.silu(hidden))
 
     return embed
@@ -47,11 +47,13 @@ def test_unique_path_matches_every_row(values):
 def test_a_two_dimensional_timestep_takes_the_reference_with_the_reason():
     embed, timestep = _mlp(), torch.full((2, 3), 500.0)
     with audit() as report:
-        got = timestep_embedding(timestep.flatten(), embed)
-    assert report.paths() == {"timestep_embedding": {"unique": 1}}
+        got = timestep_embedding(timestep, embed)
+    assert report.paths() == {"timestep_embedding": {"torch": 1}}
     _, refusals = TIMESTEP_EMBEDDING.select(timestep, embed)
     assert refusals[0].reason == "timestep is 2-D; the row gather needs a flat (M,) timestep"
-    torch.testing.assert_close(got[0], embed(timestep.flatten())[0], atol=1e-5, rtol=1e-5)
+    for g, e in zip(got, embed(timestep)):
+        assert g.shape == e.shape == (2, 3, g.shape[-1])
+        torch.testing.assert_close(g, e, atol=0, rtol=0)  # the reference path is embed itself
 
 
 def test_bad_inputs_raise():
