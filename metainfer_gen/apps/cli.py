@@ -171,7 +171,8 @@ def _start_ranks(args: argparse.Namespace):
 def _render(args: argparse.Namespace) -> int:
     from metainfer_gen.apps.render import RenderJob, parse_lora_spec, parse_prompt_file, render_batch, use_loras
     from metainfer_gen.video.export import check_output_path
-    from metainfer_gen.video.rules import check_prompts
+    from metainfer_gen.pipelines.loading import default_model_path
+    from metainfer_gen.video.rules import VideoRules, check_prompts
 
     if (args.prompt is None) == (args.prompts is None):
         raise ValueError("give either a PROMPT or --prompts FILE (exactly one)")
@@ -192,7 +193,10 @@ def _render(args: argparse.Namespace) -> int:
     if args.image is not None and not Path(args.image).exists():
         raise FileNotFoundError(f"--image {args.image} does not exist")
     check_output_path(args.output)
-    check_prompts(args.prompt)  # before loading: the model's own rules (frames, size) are checked once it is known
+    check_prompts(args.prompt)
+    rules = VideoRules.from_model_dir(args.model or default_model_path())  # a Wan folder's rules, from its configs
+    if rules is not None:  # so a bad size fails before the load; other models are checked once loaded
+        rules.check_sizes(num_frames=args.num_frames, height=args.height, width=args.width)
     job = RenderJob(line=0, prompt=args.prompt, seed=args.seed, image=args.image, call=_call_args(args))
     pipe = get_pipeline("text-to-video" if job.image is None else "image-to-video")
     for report in use_loras(pipe, loras):

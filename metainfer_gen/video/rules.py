@@ -9,8 +9,10 @@ we refuse them up front with an error naming the rule and the nearest valid valu
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 # Extra spatial multiples that a family's own check_inputs enforces beyond VAE factor x patch size.
 _FAMILY_MIN_MULTIPLE = {"Wan": 16, "CogVideoX": 16}
@@ -39,7 +41,6 @@ class VideoRules:
     @classmethod
     def from_pipeline(cls, pipe) -> "VideoRules":
         """Read the rules from a diffusers pipeline's VAE and transformer configs."""
-        name = type(pipe).__name__
         temporal = (
             getattr(pipe, "vae_scale_factor_temporal", None)
             or getattr(pipe, "vae_temporal_compression_ratio", None)
@@ -52,14 +53,41 @@ class VideoRules:
             or 8
         )
         model = getattr(pipe, "transformer", None) or getattr(pipe, "transformer_2", None)
-        patch = getattr(getattr(model, "config", None), "patch_size", 1) or 1
+        config = getattr(model, "config", None)
+        return cls._from_factors(type(pipe).__name__, temporal, spatial, getattr(config, "patch_size", 1),
+                                 getattr(config, "rope_max_seq_len", None))
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> "VideoRules | None":
+        """The rules of a saved Wan pipeline folder, read from its JSON configs without loading any weights (so
+        a command line can refuse a bad size before the load); None for another family or an unreadable folder
+        (the rules are then read from the pipeline once it is loaded).
+
+        Diffusers' Wan pipelines take their factors from the VAE config (``scale_factor_temporal``,
+        ``scale_factor_spatial``), as read here.
+        """
+        path = Path(path)
+        try:
+            name = json.loads((path / "model_index.json").read_text())["_class_name"]
+            vae = json.loads((path / "vae" / "config.json").read_text())
+            transformer_dir = next(path / d for d in ("transformer", "transformer_2") if (path / d).is_dir())
+            transformer = json.loads((transformer_dir / "config.json").read_text())
+        except (OSError, ValueError, KeyError, StopIteration):
+            return None
+        if not str(name).startswith("Wan"):
+            return None
+        return cls._from_factors(name, vae.get("scale_factor_temporal", 4), vae.get("scale_factor_spatial", 8),
+                                 transformer.get("patch_size", 1), transformer.get("rope_max_seq_len"))
+
+    @classmethod
+    def _from_factors(cls, name: str, temporal, spatial, patch, rope) -> "VideoRules":
+        patch = patch or 1
         if isinstance(patch, (tuple, list)):
             patch = patch[-1]
         multiple = int(spatial) * int(patch)
         for prefix, minimum in _FAMILY_MIN_MULTIPLE.items():
             if name.startswith(prefix):
                 multiple = math.lcm(multiple, minimum)
-        rope = getattr(getattr(model, "config", None), "rope_max_seq_len", None)
         max_size = max_frames = None
         if rope:
             max_size = int(rope) * int(spatial) * int(patch) // multiple * multiple
@@ -74,7 +102,22 @@ class VideoRules:
                             ("num_inference_steps", num_inference_steps)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int; got {value!r}")
-        if num_frames < 1 or (num_frames - 1) % self.temporal_factor:
+        self.check_sizes(num_frames=num_frames, height=height, width=width)
+        if num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be >= 1; got {num_inference_steps}")
+        if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)) \
+                or not math.isfinite(guidance_scale) or guidance_scale < 0:
+            raise ValueError(f"guidance_scale must be a finite number >= 0; got {guidance_scale!r}")
+        check_prompts(prompt)
+
+    def check_sizes(self, *, num_frames: int | None = None, height: int | None = None,
+                    width: int | None = None) -> None:
+        """The frame-count and size rules alone, for the values given (None: not checked).
+
+        Raises:
+            ValueError: naming the broken rule and the nearest valid values.
+        """
+        if num_frames is not None and (num_frames < 1 or (num_frames - 1) % self.temporal_factor):
             lower = max(1, (num_frames - 1) // self.temporal_factor * self.temporal_factor + 1)
             upper = lower + self.temporal_factor if num_frames > 1 else 1
             hint = f"{lower} or {upper}" if lower != upper else str(lower)
@@ -82,10 +125,12 @@ class VideoRules:
                 f"num_frames={num_frames} is not valid for {self.family}: it must be k*{self.temporal_factor}+1 "
                 f"(1, {1 + self.temporal_factor}, {1 + 2 * self.temporal_factor}, ...); use {hint}"
             )
-        if self.max_frames is not None and num_frames > self.max_frames:
+        if num_frames is not None and self.max_frames is not None and num_frames > self.max_frames:
             raise ValueError(f"num_frames={num_frames} exceeds {self.family}'s position table: at most "
                              f"{self.max_frames} frames")
         for name, value in (("height", height), ("width", width)):
+            if value is None:
+                continue
             if self.max_size is not None and value > self.max_size:
                 raise ValueError(f"{name}={value} exceeds {self.family}'s position table: at most {self.max_size} "
                                  "pixels")
@@ -96,12 +141,6 @@ class VideoRules:
                     f"{self.spatial_multiple} (VAE compression x patch size); use {lower} or "
                     f"{lower + self.spatial_multiple}"
                 )
-        if num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps must be >= 1; got {num_inference_steps}")
-        if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)) \
-                or not math.isfinite(guidance_scale) or guidance_scale < 0:
-            raise ValueError(f"guidance_scale must be a finite number >= 0; got {guidance_scale!r}")
-        check_prompts(prompt)
 
 
 def check_prompts(prompt: str | list[str] | None) -> None:

@@ -125,3 +125,25 @@ def test_frame_rule_is_checked_with_keyword_arguments_only(wan):
 def test_rules_are_immutable(wan):
     with pytest.raises(AttributeError):
         wan.temporal_factor = 8
+
+
+def test_a_wan_folder_gives_the_loaded_pipeline_rules_without_loading(tiny_wan_dir, tmp_path):
+    from metainfer_gen.pipelines import TextToVideoPipeline
+    from metainfer_gen.pipelines.loading import default_model_path
+
+    for folder in (tiny_wan_dir, default_model_path()):
+        loaded = TextToVideoPipeline.from_pretrained(folder, device="cpu").rules
+        assert VideoRules.from_model_dir(folder) == loaded, folder
+    assert VideoRules.from_model_dir(tmp_path / "missing") is None  # a hub id or no folder: read after loading
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "model_index.json").write_text('{"_class_name": "LTXPipeline"}')
+    assert VideoRules.from_model_dir(tmp_path / "other") is None  # another family: its own config keys
+
+
+def test_check_sizes_checks_only_the_values_given(wan):
+    assert wan.check_sizes() is None
+    assert wan.check_sizes(height=32) is None
+    with pytest.raises(ValueError, match=WAN_FRAME_RULE):
+        wan.check_sizes(num_frames=16)
+    with pytest.raises(ValueError, match="width=50 is not valid for WanPipeline: it must be a positive multiple of 16"):
+        wan.check_sizes(num_frames=17, width=50)

@@ -45,6 +45,19 @@ def test_single_clip_reports_reuse_and_off_reports_none(tmp_path, tiny_wan_dir, 
     assert "cache" not in capsys.readouterr().out.split("transformer calls")[1]
 
 
+@pytest.mark.parametrize("flags, message", [(["--num-frames", "16"], "num_frames=16 is not valid for WanPipeline"),
+                                            (["--height", "481"], "height=481 is not valid for WanPipeline")])
+def test_a_bad_size_for_the_embedded_model_fails_before_it_loads(flags, message, capsys, monkeypatch):
+    from metainfer_gen.pipelines import TextToVideoPipeline
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded for a size its configs already rule out")
+
+    monkeypatch.setattr(TextToVideoPipeline, "from_pretrained", no_load)
+    assert main(["render", "x", "-o", "never.mp4", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("spec, message", [("teacache", "unknown cache policy"),
                                            ("auto=-1", "error_budget must be a finite number > 0"),
                                            ("taylorseer=0", "interval must be a whole number")])
