@@ -19,11 +19,13 @@ from metainfer_gen.kernels.fuse import FuseKernelsConfig
 from metainfer_gen.kernels.fuse_wan import _model_hook_base, _register
 from metainfer_gen.kernels.timestep_embed import timestep_embedding
 
-__all__ = ["WAN_EMBEDDER_ARGS", "FusedWanConditionEmbedderHook", "fuse_wan_condition_embedder"]
+__all__ = ["WAN_EMBEDDER_ARGS", "WAN_EMBEDDER_PARTS", "FusedWanConditionEmbedderHook",
+           "fuse_wan_condition_embedder"]
 
 # The parameters of diffusers' WanTimeTextImageEmbedding.forward (also checked by the step cache's embedder memo).
 WAN_EMBEDDER_ARGS = ["timestep", "encoder_hidden_states", "encoder_hidden_states_image", "timestep_seq_len"]
-_PARTS = ("timesteps_proj", "time_embedder", "act_fn", "time_proj", "text_embedder")
+# ... and the submodules both read.
+WAN_EMBEDDER_PARTS = ("timesteps_proj", "time_embedder", "act_fn", "time_proj", "text_embedder")
 
 
 class FusedWanConditionEmbedderHook(_model_hook_base()):
@@ -58,7 +60,8 @@ def fuse_wan_condition_embedder(embedder, name: str, config: FuseKernelsConfig) 
     params = list(inspect.signature(type(embedder).forward).parameters)[1:]
     if params != WAN_EMBEDDER_ARGS:
         return f"forward takes {params}, expected {WAN_EMBEDDER_ARGS} (diffusers version changed the embedder)"
-    missing = [part for part in _PARTS if not isinstance(getattr(embedder, part, None), torch.nn.Module)]
+    missing = [part for part in WAN_EMBEDDER_PARTS
+               if not isinstance(getattr(embedder, part, None), torch.nn.Module)]
     if missing:
         return f"no {missing} submodules; the fused forward assumes diffusers' WanTimeTextImageEmbedding"
     _register(embedder, FusedWanConditionEmbedderHook(config))

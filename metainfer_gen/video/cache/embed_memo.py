@@ -22,10 +22,9 @@ import inspect
 import torch
 from diffusers.hooks.hooks import ModelHook
 
-from metainfer_gen.kernels.fuse_wan_embedder import WAN_EMBEDDER_ARGS
+from metainfer_gen.kernels.fuse_wan_embedder import WAN_EMBEDDER_ARGS, WAN_EMBEDDER_PARTS
 
 EMBED_HOOK = "metainfer_step_cache_embed"
-_PARTS = ("timesteps_proj", "time_embedder", "time_proj", "act_fn", "text_embedder")
 _MAX_ENTRIES = 4  # prompt embeddings kept per call (two CFG branches, or a batch split in a few)
 
 
@@ -85,7 +84,7 @@ def install_embed_memo(transformer: torch.nn.Module) -> EmbedMemoHook | None:
     from diffusers.hooks import HookRegistry
 
     embedder = getattr(transformer, "condition_embedder", None)
-    if embedder is None or not all(hasattr(embedder, name) for name in _PARTS):
+    if embedder is None or not all(hasattr(embedder, name) for name in WAN_EMBEDDER_PARTS):
         return None
     if list(inspect.signature(type(embedder).forward).parameters)[1:] != WAN_EMBEDDER_ARGS:
         return None  # a diffusers version with another embedder: leave it alone
