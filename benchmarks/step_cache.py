@@ -52,16 +52,14 @@ def prompts_and_images(num_prompts: int, size: int, num_frames: int) -> list[tup
     """Held-out demo prompts (never trained on) and a matching first frame for image-to-video."""
     import torch
 
-    from metainfer_gen.video.demo_model.data import TEMPLATES, held_out_combinations, render_clip, sample_spec
+    from metainfer_gen.video.demo_model.data import TEMPLATES, first_frame, held_out_combinations, sample_spec
 
     items = []
     for index, combo in enumerate(held_out_combinations()[:num_prompts]):
         colour, shape, direction = combo
         prompt = TEMPLATES[index % len(TEMPLATES)].format(colour=colour, shape=shape, direction=direction)
         spec = sample_spec(combo, num_frames, size, torch.Generator().manual_seed(10_000 + index))
-        video, _ = render_clip(spec, 1, size)
-        image = ((video[:, 0].permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()
-        items.append((prompt, image, combo))
+        items.append((prompt, first_frame(spec, size), combo))
     return items
 
 

@@ -47,6 +47,8 @@ class FuseKernelsConfig:
             :mod:`metainfer_gen.kernels.channel_norm`).
         timestep_embedding: Wan's condition embedder: the per-token timestep MLP once per distinct timestep
             through ``timestep_embedding`` (see :mod:`metainfer_gen.kernels.timestep_embed`).
+        rope_table: Wan's rotary position tables built once per token grid, not per call (exact; see
+            :mod:`metainfer_gen.kernels.fuse_wan_rope`).
         strict: passed to every dispatch (None = the ``METAINFER_STRICT_FAST_PATH`` variable).
     """
 
@@ -56,10 +58,11 @@ class FuseKernelsConfig:
     conv3d: bool = True
     channel_norm: bool = True
     timestep_embedding: bool = True
+    rope_table: bool = True
     strict: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("adaln", "qk_norm", "rope", "conv3d", "channel_norm", "timestep_embedding"):
+        for name in ("adaln", "qk_norm", "rope", "conv3d", "channel_norm", "timestep_embedding", "rope_table"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"FuseKernelsConfig.{name} must be a bool; got {getattr(self, name)!r}")
         if self.strict is not None and not isinstance(self.strict, bool):
@@ -90,6 +93,7 @@ _FUSERS: dict[str, Fuser | str] = {
     "WanTimeTextImageEmbedding": "metainfer_gen.kernels.fuse_wan_embedder:fuse_wan_condition_embedder",
     "WanCausalConv3d": "metainfer_gen.kernels.fuse_wan_vae:fuse_wan_causal_conv3d",
     "WanRMS_norm": "metainfer_gen.kernels.fuse_wan_vae:fuse_wan_rms_norm",
+    "WanRotaryPosEmbed": "metainfer_gen.kernels.fuse_wan_rope:fuse_wan_rotary_table",
 }
 
 

@@ -12,8 +12,9 @@ thread; 0.8 ms with this op).
     timestep_embedding(timestep, embed) == embed(timestep)   # row by row, up to float rounding
 
 Implementations, fastest first: ``unique`` (``torch.unique(timestep, return_inverse=True)``, ``embed`` on the
-distinct values, ``index_select`` back; any device and dtype; on a GPU ``torch.unique`` synchronises the host
-once) and ``torch`` (``embed`` on every row: the reference). A matrix product over fewer rows may round
+distinct values, ``index_select`` back, or, when all rows share one value (text-to-video), an ``expand`` view of
+the one row: stride 0 along the rows, no copy; any device and dtype; on a GPU ``torch.unique`` synchronises the
+host once) and ``torch`` (``embed`` on every row: the reference). A matrix product over fewer rows may round
 differently in the last bit (the GEMM blocks differently), hence the float tolerance below.
 """
 
@@ -38,7 +39,10 @@ def timestep_embedding_reference(timestep: torch.Tensor, embed: Embed) -> tuple[
 def timestep_embedding_unique(timestep: torch.Tensor, embed: Embed) -> tuple[torch.Tensor, ...]:
     """``embed`` on the distinct values of ``timestep``, gathered back to one row per entry."""
     values, inverse = torch.unique(timestep, return_inverse=True)
-    return tuple(out.index_select(0, inverse) for out in embed(values))
+    outputs = embed(values)
+    if len(values) == 1:  # one timestep for every token (text-to-video): a broadcast view instead of M copies
+        return tuple(out.expand(len(timestep), *out.shape[1:]) for out in outputs)
+    return tuple(out.index_select(0, inverse) for out in outputs)
 
 
 def _one_dimensional(timestep: torch.Tensor, embed: Embed) -> str | None:
@@ -85,7 +89,8 @@ def timestep_embedding(timestep: torch.Tensor, embed: Embed, *, site: str | None
         site, strict: see :mod:`metainfer_gen.kernels.registry`.
     Returns:
         The outputs of ``embed``, each (M, ...), as ``embed(timestep)`` would give them up to float rounding
-        (atol=rtol=1e-5 in float32).
+        (atol=rtol=1e-5 in float32). Treat them as read-only: when every row shares one timestep they are
+        broadcast views of one row (stride 0 along M; ``.contiguous()`` gives a copy).
     Raises:
         ValueError: ``timestep`` is not a tensor or ``embed`` is not callable.
     """

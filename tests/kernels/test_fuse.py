@@ -45,7 +45,7 @@ def test_fused_model_matches_unfused_and_unfuse_restores_forwards(no_interpret, 
     forwards = {name: m.forward for name, m in model.named_modules()}
     expected = _run(model, inputs)
     report = fuse_kernels(model)
-    assert sorted(report.fused) == sorted(["condition_embedder"] + [f"blocks.{i}" for i in range(2)]
+    assert sorted(report.fused) == sorted(["rope", "condition_embedder"] + [f"blocks.{i}" for i in range(2)]
                                           + [f"blocks.{i}.attn{j}" for i in range(2) for j in (1, 2)])
     assert report.skipped == {}
     with audit() as trace:
@@ -54,7 +54,7 @@ def test_fused_model_matches_unfused_and_unfuse_restores_forwards(no_interpret, 
     assert set(trace.paths()) == {"adaln_modulate", "gated_residual", "rms_norm", "rope", "timestep_embedding"}
     assert trace.paths()["adaln_modulate"] == {"torch": 4}  # 2 blocks x (norm1, norm3); tiny: eager is fastest
     assert trace.paths()["timestep_embedding"] == {"unique": 1}
-    assert unfuse_kernels(model) == 7
+    assert unfuse_kernels(model) == 8
     assert not is_fused(model)
     for name, module in model.named_modules():
         assert module.forward == forwards[name], name

@@ -42,6 +42,8 @@ def test_unique_path_matches_every_row(values):
     for g, e in zip(got, expected):
         assert g.shape == e.shape
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+        # one timestep for all rows (text-to-video): a broadcast view of the one row, no per-row copies
+        assert (g.stride(0) == 0) == (len(set(values)) == 1)
 
 
 def test_a_two_dimensional_timestep_takes_the_reference_with_the_reason():
@@ -63,7 +65,7 @@ def test_bad_inputs_raise():
         timestep_embedding(torch.ones(3), "mlp")
 
 
-@pytest.mark.parametrize("expand_timesteps", [True, False])
+@pytest.mark.parametrize("expand_timesteps", [True, "uniform", False])
 def test_fused_wan_condition_embedder_matches_diffusers(expand_timesteps):
     from diffusers import WanTransformer3DModel
 
@@ -73,12 +75,13 @@ def test_fused_wan_condition_embedder_matches_diffusers(expand_timesteps):
     x, text = torch.randn(2, 4, 3, 8, 8), torch.randn(2, 5, 16)
     if expand_timesteps:  # Wan 2.2 TI2V: the clean first latent frame at 0, the rest at t (48 tokens per sample)
         timestep = torch.full((2, 48), 640.0)
-        timestep[:, :16] = 0.0
+        if expand_timesteps != "uniform":  # uniform: text-to-video, every token at t (a broadcast view)
+            timestep[:, :16] = 0.0
     else:
         timestep = torch.tensor([640, 640])
     with torch.no_grad():
         expected = model(x, timestep, text).sample
-        report = fuse_kernels(model, FuseKernelsConfig(adaln=False, qk_norm=False, rope=False))
+        report = fuse_kernels(model, FuseKernelsConfig(adaln=False, qk_norm=False, rope=False, rope_table=False))
         assert report.fused == ["condition_embedder"]
         with audit() as trace:
             got = model(x, timestep, text).sample

@@ -114,3 +114,12 @@ def test_trail_direction_reads_single_frames_of_ground_truth_trail_clips():
     assert hits == 24
     blank = np.full((3, 64, 64, 3), 30, dtype=np.uint8)
     assert trail_direction(blank, "red") is None  # no shape: nothing to read
+
+
+def test_first_frame_is_the_clips_first_frame_in_uint8():
+    spec = data.sample_spec(("red", "square", "left"), 17, 32, torch.Generator().manual_seed(3))
+    image = data.first_frame(spec, 32)
+    video, _ = data.render_clip(spec, 17, 32)
+    assert image.shape == (32, 32, 3) and image.dtype == np.uint8
+    assert np.array_equal(image, data.to_uint8(video[:, 0].permute(1, 2, 0)))
+    assert np.array_equal(data.to_uint8(torch.tensor([-2.0, -1.0, 0.0, 1.0, 3.0])), [0, 0, 128, 255, 255])

@@ -152,3 +152,22 @@ def test_policy_specs_parse_and_bad_ones_raise():
     assert make_policy("taylorseer=3").name == "taylorseer=3"
     with pytest.raises(TypeError):
         make_policy(3)
+
+
+def test_signal_on_broadcast_views_equals_the_signal_on_their_copies():
+    import torch
+
+    from metainfer_gen.video.cache.state import _one_of_each_repeat, signal_between
+
+    torch.manual_seed(0)
+    rows = torch.randn(2, 1, 6, 8), torch.randn(2, 1, 6, 8)  # per-token temb of one timestep: rows repeated
+    new, old = (r.expand(2, 40, 6, 8) for r in rows)
+    hidden_new, hidden_old = torch.randn(2, 40, 8), torch.randn(2, 40, 8)
+    expected = signal_between((hidden_new, new.contiguous()), (hidden_old, old.contiguous()))
+    got = signal_between((hidden_new, new), (hidden_old, old))
+    assert got == pytest.approx(expected, rel=1e-6)
+    assert _one_of_each_repeat(new, old)[0].shape == (2, 1, 6, 8)  # one row read, not 40
+    # a view on one side only is read in full (its repeats are not known to match the other's)
+    assert _one_of_each_repeat(new, old.contiguous())[0].shape == (2, 40, 6, 8)
+    assert signal_between((new,), (old.contiguous(),)) == pytest.approx(expected - signal_between(
+        (hidden_new,), (hidden_old,)), rel=1e-6)

@@ -28,8 +28,21 @@ def relative_l1(new: torch.Tensor, old: torch.Tensor) -> float:
 
 
 def _relative_l1(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    new, old = _one_of_each_repeat(new, old)
     old32 = old.float()
     return (new.float() - old32).abs().mean() / old32.abs().mean().clamp_min(1e-12)
+
+
+def _one_of_each_repeat(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both tensors cut to one slice along every dimension that both broadcast (stride 0, as ``expand`` makes):
+    the slices along it are equal, so every mean above is unchanged, without reading (and, for the difference,
+    allocating) the repeats. Wan 2.2's per-token ``temb`` of one timestep is such a view, (B, S, 6, N) with stride
+    0 along S (:mod:`metainfer_gen.kernels.timestep_embed`): the signal reads 1 row instead of S."""
+    if new.shape != old.shape:
+        return new, old
+    index = tuple(slice(0, 1) if size > 1 and a == 0 and b == 0 else slice(None)
+                  for size, a, b in zip(new.shape, new.stride(), old.stride()))
+    return new[index], old[index]
 
 
 def signal_between(new: tuple[torch.Tensor, ...], old: tuple[torch.Tensor, ...] | None) -> float | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 COLOURS: dict[str, tuple[float, float, float]] = {
@@ -173,6 +174,17 @@ def render_clip(spec: ClipSpec, num_frames: int, size: int) -> tuple[torch.Tenso
     background = torch.tensor(spec.background).view(3, 1, 1, 1)
     video = background * (1 - mask) + colour * mask
     return video * 2 - 1, mask
+
+
+def to_uint8(pixels: torch.Tensor) -> np.ndarray:
+    """Pixels in [-1, 1] (the VAE's range), channels last, to uint8 (values outside are clipped)."""
+    return ((pixels.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy()
+
+
+def first_frame(spec: ClipSpec, size: int) -> np.ndarray:
+    """The first frame of ``spec``'s clip as uint8 (size, size, 3): the image an image-to-video call starts from."""
+    video, _ = render_clip(spec, 1, size)
+    return to_uint8(video[:, 0].permute(1, 2, 0))
 
 
 def sample_batch(

@@ -104,7 +104,7 @@ def evaluate(model: str | None = None, num_inference_steps: int | None = None, g
 
     from metainfer_gen import pipelines
     from metainfer_gen.video.demo_model import configs
-    from metainfer_gen.video.demo_model.data import render_clip, sample_spec
+    from metainfer_gen.video.demo_model.data import first_frame, sample_spec
     from metainfer_gen.video.quality import psnr
 
     t2v = pipelines.TextToVideoPipeline.from_pretrained(model, device="cpu")
@@ -118,8 +118,7 @@ def evaluate(model: str | None = None, num_inference_steps: int | None = None, g
         t2v_out = t2v(prompt, seed=seed + index, **call)
         spec = sample_spec(combo, configs.NUM_FRAMES, configs.SIZE, torch.Generator().manual_seed(10_000 + index),
                            trail)
-        video, _ = render_clip(spec, 1, configs.SIZE)
-        image = ((video[:, 0].permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()
+        image = first_frame(spec, configs.SIZE)
         i2v_out = i2v(image, prompt, seed=seed + index, **call)
         for task, out in (("t2v", t2v_out), ("i2v", i2v_out)):
             reading = read_clip(out.frames)

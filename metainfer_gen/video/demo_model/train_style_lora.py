@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from metainfer_gen.video.demo_model import lora_eval, lora_training
-from metainfer_gen.video.demo_model.data import TEMPLATES, render_clip, sample_spec, training_combinations
+from metainfer_gen.video.demo_model.data import TEMPLATES, render_clip, sample_spec, to_uint8, training_combinations
 from metainfer_gen.video.demo_model.train_transformer import prompt_table, shifted_sigmas
 
 # Inside the base data's background range (each channel uniform in [0, 0.22]) so the VAE reproduces it: a light
@@ -62,7 +62,7 @@ def encoded_data(pipe, work_dir: Path, num_clips: int, num_frames: int, size: in
     videos, prompt_index = styled_clips(num_clips, num_frames, size, seed)
     latents = lora_training.normalised_latents(vae, videos)
     decoded = vae.decode(vae.encode(videos[:4]).latent_dist.mode()).sample  # (4, 3, F, H, W) in [-1, 1]
-    frames = ((decoded.permute(0, 2, 3, 4, 1).clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy()
+    frames = to_uint8(decoded.permute(0, 2, 3, 4, 1))
     data = {"latents": latents, "prompt_index": prompt_index,
             "target_background": lora_eval.background_colour(list(frames)).tolist()}
     work_dir.mkdir(parents=True, exist_ok=True)
