@@ -17,6 +17,7 @@ from metainfer_gen.video.cache.stats import StepCacheStats, StepRecord
     (dict(max_consecutive_reuses=0), "max_consecutive_reuses"), (dict(extrapolate="yes"), "extrapolate"),
     (dict(calibration_momentum=1.0), "calibration_momentum"), (dict(warmup_fraction=1.0), "warmup_fraction"),
     (dict(warmup_fraction=-0.1), "warmup_fraction"), (dict(gate_aware=1), "gate_aware"),
+    (dict(step_size_exponent=-1.0), "step_size_exponent"), (dict(step_size_exponent=float("inf")), "step_size_exponent"),
 ])
 def test_bad_config_raises_value_error_naming_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
@@ -171,3 +172,37 @@ def test_signal_on_broadcast_views_equals_the_signal_on_their_copies():
     assert _one_of_each_repeat(new, old.contiguous())[0].shape == (2, 40, 6, 8)
     assert signal_between((new,), (old.contiguous(),)) == pytest.approx(expected - signal_between(
         (hidden_new,), (hidden_old,)), rel=1e-6)
+
+
+def test_a_weighted_step_spends_the_budget_faster():
+    config = StepCacheConfig(error_budget=1.0, num_warmup_steps=1, warmup_fraction=0.0, max_consecutive_reuses=10)
+    outcomes = {}
+    for weight in (1.0, 3.0):
+        book = BranchBook()
+        book.decide(config, 0, 20, 0.5, can_extrapolate=False)
+        book.computed(config, None, None)
+        decisions = [book.decide(config, step, 20, 0.5, can_extrapolate=False, prior=(0.4, None), weight=weight)
+                     for step in range(1, 4)]
+        outcomes[weight] = [(d.reuse, None if d.predicted_error is None else round(d.predicted_error, 6))
+                            for d in decisions]
+    # drifts 0.2, 0.4, 0.6: the run's error 0.2, 0.6, 1.2 (over) at weight 1; 0.6, 1.8 (over) at weight 3
+    assert outcomes[1.0] == [(True, 0.2), (True, 0.6), (False, 1.2)]
+    assert outcomes[3.0][:2] == [(True, 0.6), (False, 1.8)]  # (then computed; the third is a new run)
+
+
+def test_step_weight_follows_the_timestep_spacing():
+    from metainfer_gen.video.cache.state import CallTracker
+
+    tracker = CallTracker(num_inference_steps=4)
+    weights = []
+    for timestep in (1000.0, 950.0, 800.0, 400.0):  # steps of 50, 150, 400; mean step 1000 / 4 = 250
+        tracker.advance("cond", timestep)
+        weights.append(tracker.step_weight(1.0))
+    assert weights == [1.0, pytest.approx(5.0), pytest.approx(250 / 150), pytest.approx(0.625)]
+    assert tracker.step_weight(0.0) == 1.0
+    assert tracker.step_weight(2.0) == pytest.approx(0.625 ** 2)
+    tracker.finish_call()
+    tracker.num_inference_steps = 4
+    for position in (1.0, 2.0):  # no timestep given: the hooks number steps upward, and nothing is weighted
+        tracker.advance(None, position)
+    assert tracker.step_weight(1.0) == 1.0

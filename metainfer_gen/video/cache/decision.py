@@ -5,7 +5,8 @@ of reused steps, the signal accumulated since the last computed step, and the fi
 to the relative change of the full residual. The tensor side (``hooks.py``) measures the numbers; this file
 decides. The error model follows TeaCache/MagCache (accumulate a per-step estimate until a threshold): the drift
 of the reused residual grows by ``ratio * signal`` each reused step, and the run's error is the sum of those
-drifts (each reused step adds its own output error to the latents). The ratio comes from a calibration by
+drifts (each reused step adds its own output error to the latents), each weighted by how much an error on that
+step costs the finished clip (``weight``: more on the short early steps of a shifted schedule). The ratio comes from a calibration by
 schedule position (MagCache's per-step ratios, measured by ``metainfer-gen calibrate``), or is fitted online from
 the computed steps; never from polynomials fitted by hand per model (TeaCache).
 """
@@ -67,12 +68,15 @@ class BranchBook:
         self.pending_signal = 0.0
 
     def decide(self, config: StepCacheConfig, step: int, num_steps: int | None, signal: float | None,
-               can_extrapolate: bool, prior: tuple[float, float | None] | None = None) -> Decision:
+               can_extrapolate: bool, prior: tuple[float, float | None] | None = None,
+               weight: float = 1.0) -> Decision:
         """Decide for ``step`` (0-based) of ``num_steps`` (None when unknown) given this step's ``signal``.
 
         Args:
             prior: (reuse ratio, extrapolation ratio or None) of a calibration at this step's position in the
                 schedule; None uses the ratios fitted online.
+            weight: how much an error made on this step counts against the budget (see
+                ``StepCacheConfig.step_size_exponent``); 1 counts the predicted drift as it is.
         """
         if signal is None:
             return self._compute(Reason.NO_SIGNAL)
@@ -95,7 +99,7 @@ class BranchBook:
         # extrapolation drift was the smaller, at the same reused steps. The budget counts the smaller prediction.
         extrapolate = bool(config.extrapolate and can_extrapolate)
         cheaper = extrapolate and drift_extrapolation is not None and drift_extrapolation < drift_reuse
-        predicted = self.error_since_compute + (drift_extrapolation if cheaper else drift_reuse)
+        predicted = self.error_since_compute + weight * (drift_extrapolation if cheaper else drift_reuse)
         if predicted > config.error_budget:
             return self._compute(Reason.OVER_BUDGET, signal_total, predicted)
         self.signal_since_compute = signal_total

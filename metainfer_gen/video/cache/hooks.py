@@ -77,7 +77,8 @@ class _Run:
             if calibration is not None and steps is not None and steps > 1:
                 prior = calibration.ratios_at(self.model, self.step / (steps - 1))
             decision = state.book.decide(self.config, self.step, steps, signal,
-                                         can_extrapolate=len(state.history) == 2, prior=prior)
+                                         can_extrapolate=len(state.history) == 2, prior=prior,
+                                         weight=self.tracker.step_weight(self.config.step_size_exponent))
             if decision.reuse and not state.history:
                 decision = Decision(False, Reason.NO_SIGNAL)
         self.reuse = decision.reuse

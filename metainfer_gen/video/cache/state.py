@@ -145,6 +145,8 @@ class CallTracker:
     num_inference_steps: int | None = None
     step: int = -1
     last_position: float | None = None
+    first_position: float | None = None  # the timestep of step 0
+    step_size: float | None = None  # timestep of the previous step minus this step's (None on step 0)
     branches_this_step: list[str] = field(default_factory=list)
     current: StepCacheStats = field(default_factory=StepCacheStats)
     last: StepCacheStats | None = None
@@ -156,9 +158,22 @@ class CallTracker:
             self.step += 1
             self.branches_this_step = []
             branch = context_name if context_name is not None else "branch0"
+            if self.step == 0:
+                self.first_position, self.step_size = position, None
+            else:
+                self.step_size = self.last_position - position
         self.last_position = position
         self.branches_this_step.append(branch)
         return self.step, branch
+
+    def step_weight(self, exponent: float) -> float:
+        """``(mean step / this step) ** exponent``, the step sizes in timestep units: the mean from the first
+        timestep over the step count (schedules end near 0), this step's from the previous timestep. 1 when the
+        exponent is 0, on step 0, without a step count, or when the timesteps do not fall."""
+        steps, size, first = self.num_inference_steps, self.step_size, self.first_position
+        if exponent == 0 or not steps or size is None or first is None or size <= 0 or first <= 0:
+            return 1.0
+        return (first / steps / size) ** exponent
 
     def finish_call(self) -> None:
         """Close the call: its stats become ``last``; the clock restarts."""
@@ -167,4 +182,5 @@ class CallTracker:
             self.last = self.current
         self.current = StepCacheStats(policy=self.policy)
         self.step, self.last_position, self.branches_this_step = -1, None, []
+        self.first_position = self.step_size = None
         self.num_inference_steps = None  # the next call states its own (a stale count would misplace the last step)
