@@ -369,7 +369,7 @@ def render_batch(
             record.update(status="ok", settings=output.settings, stats=output.stats.to_dict())
             summary.rendered += 1
         except Exception as exc:  # noqa: BLE001 - one failing clip must not stop the batch; the error is recorded
-            record.update(status="error", error=f"{type(exc).__name__}: {exc}")
+            record.update(status="error", error=f"{type(exc).__name__}: {exc}", path=None)  # no clip was written
             summary.failed += 1
             if shard.writes:  # say why on the terminal too, not only in the manifest
                 tqdm.write(f"line {job.line} failed: {record['error']}", file=sys.stderr)

@@ -44,6 +44,19 @@ class GenerationStats:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def __str__(self) -> str:
+        """One readable line for ``print(out.stats)`` (``repr`` keeps every field, the cache's step records too)."""
+        text = (f"{self.seconds:.2f} s, {self.num_inference_steps} steps, {self.transformer_calls} transformer calls, "
+                f"{self.block_evaluations} block evaluations, peak {self.peak_memory_mb:.0f} MiB on {self.device}")
+        cache = self.cache or {}
+        if cache:
+            text += f"; cache {cache.get('policy', '?')}"
+            if "num_reused" in cache:
+                text += f": {cache['num_reused']} of {cache['num_reused'] + cache.get('num_computed', 0)} calls reused"
+            if cache.get("disabled_reason"):
+                text += f", off for this call: {cache['disabled_reason']}"
+        return text
+
 
 @dataclass(slots=True)
 class VideoOutput:

@@ -229,6 +229,7 @@ def test_batch_killed_half_way_resumes_without_rendering_anything_twice(tmp_path
     assert [r["status"] for r in records].count("ok") == 18
     errors = {r["line"]: r["error"] for r in records if r["status"] == "error"}
     assert sorted(errors) == [5, 14]
+    assert all(r["path"] is None for r in records if r["status"] == "error")  # no file is named that was not written
     assert errors[5] == "ValueError: line 5: 'seed' must be an integer; got 'four'"
     assert errors[14].startswith("ValueError: line 14: unknown keys ['colour']")
     # Clips finished before the kill were not rendered again: same records, same files.

@@ -208,3 +208,19 @@ def test_suffix_is_case_insensitive(tmp_path):
     path = save_video(random_frames(3, 16, 16), tmp_path / "CLIP.MP4", fps=8)
     info = ffmpeg_stream_info(path)
     assert info["codec"] == "h264" and info["frames"] == 3
+
+
+def test_stats_print_as_one_short_line():
+    from metainfer_gen.video.cache.stats import StepCacheStats, StepRecord
+    from metainfer_gen.video.output import GenerationStats
+
+    steps = [StepRecord(i, "cond", "transformer", i % 3 == 0, "x", 0.1, None, 0.9) for i in range(30)]
+    stats = GenerationStats(seconds=1.234, num_inference_steps=30, transformer_calls=30, peak_memory_mb=812.4,
+                            block_evaluations=60, cache=StepCacheStats(policy="auto", steps=steps).to_dict())
+    assert str(stats) == ("1.23 s, 30 steps, 30 transformer calls, 60 block evaluations, peak 812 MiB on cpu; "
+                          "cache auto: 20 of 30 calls reused")
+    assert "steps=" in repr(stats)  # the full record stays in repr
+    off = GenerationStats(num_inference_steps=2, cache={"policy": "auto", "num_reused": 0, "num_computed": 4,
+                                                       "disabled_reason": "too few steps"})
+    assert str(off).endswith("cache auto: 0 of 4 calls reused, off for this call: too few steps")
+    assert str(GenerationStats()).endswith("on cpu")
