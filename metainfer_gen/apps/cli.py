@@ -55,7 +55,7 @@ def _add_render_parser(subparsers) -> None:
     p.add_argument("--num-frames", type=int, default=None, help="frames to render (model default if omitted)")
     p.add_argument("--height", type=int, default=None, help="height in pixels (model default if omitted)")
     p.add_argument("--width", type=int, default=None, help="width in pixels (model default if omitted)")
-    p.add_argument("--steps", dest="num_inference_steps", type=_positive_int, default=None,
+    p.add_argument("--steps", "--num-inference-steps", dest="num_inference_steps", type=_positive_int, default=None,
                    help="num_inference_steps (model default if omitted)")
     p.add_argument("--guidance-scale", type=float, default=None, help="classifier-free guidance (1 disables)")
     p.add_argument("--seed", type=int, default=0, help="seed; in batches, line i without a seed uses seed+i")

@@ -242,3 +242,12 @@ def test_batch_killed_half_way_resumes_without_rendering_anything_twice(tmp_path
         assert mp4_top_level_atoms((out / name).read_bytes())[0] == "ftyp"
         info = ffmpeg_stream_info(out / name)
         assert (info["codec"], info["frames"], info["width"], info["height"]) == ("h264", 5, 32, 32)
+
+
+def test_steps_also_go_by_their_diffusers_name():
+    from metainfer_gen.apps.cli import build_parser
+
+    parser = build_parser()
+    for flag in ("--steps", "--num-inference-steps"):
+        assert parser.parse_args(["render", "a prompt", flag, "7"]).num_inference_steps == 7
+        assert parser.parse_args(["calibrate", "--model", "m", flag, "30"]).steps == 30

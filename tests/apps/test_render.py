@@ -266,7 +266,7 @@ def test_batch_renders_every_good_line_and_records_every_job_in_order(tmp_path, 
                 ("h264", 32, 32, settings["num_frames"])
         else:
             assert "stats" not in record
-            assert not (out / record["path"]).exists()
+            assert record["path"] is None and not (out / (job.name + ".mp4")).exists()  # no clip, none named
     assert records[3]["error"].startswith("ValueError: line 5: unknown keys ['colour']; allowed: ")
     assert records[4]["error"].startswith("FileNotFoundError: image file ")
     assert "missing.png" in records[4]["error"]
