@@ -30,6 +30,15 @@ def test_embedded_model_ships_small_and_in_diffusers_layout():
     assert (settings["num_frames"] - 1) % 4 == 0 and settings["height"] % 16 == 0
 
 
+def test_embedded_model_ships_a_step_cache_calibration_that_our_pipeline_reads(t2v):
+    from metainfer_gen.video.cache import calibration
+
+    shipped = calibration.load(default_model_path())
+    assert shipped.signal == "input" and shipped.num_inference_steps == 50
+    assert shipped.matches({"transformer": t2v.diffusers_pipeline.transformer}) is None
+    assert calibration.beside_model(t2v.diffusers_pipeline) == default_model_path() / calibration.FILE_NAME
+
+
 def test_stock_diffusers_loads_the_embedded_model():
     from diffusers import WanPipeline
 
