@@ -25,8 +25,8 @@ def add_calibrate_parser(subparsers) -> None:
                                                    "model_index.json; required for the embedded model or a hub id)")
     p.add_argument("--prompt", action="append", default=None,
                    help=f"prompt to run (repeatable; default: {', '.join(DEFAULT_PROMPTS)})")
-    p.add_argument("--steps", "--num-inference-steps", dest="steps", type=int, default=50, help="num_inference_steps to measure at (default 50); other "
-                                                          "counts interpolate over the schedule")
+    p.add_argument("--steps", "--num-inference-steps", dest="steps", type=int, default=50,
+                   help="num_inference_steps to measure at (default 50); other counts interpolate over the schedule")
     p.add_argument("--signal", choices=("input", "first_block"), default="input",
                    help="the signal the cache will use (default input)")
     p.add_argument("--num-frames", type=int, default=None, help="frames (model default if omitted)")

@@ -60,9 +60,9 @@ class StepCacheConfig:
             (finite, >= 0; 0 counts every step alike). A shifted flow-matching schedule (Wan's shift 3-5) takes
             short steps early, where the clip is laid out and an error is carried through the whole rest of the
             trajectory, and long ones late. On the embedded model at 50 steps (6 training prompts, T2V / I2V, each
-            at the budget that gives 144 / about 144 blocks): 0 kept 28.3 / 32.8 dB, 1.0 30.7 / 34.2, 1.5
-            30.8 / 36.1, 2.0 30.4 / 36.1 dB; weighting the late steps more instead (the signal times the step
-            size) lost 1.0-1.3 dB against 0. See :data:`PRESETS` for the other budgets.
+            exponent at the budget that gives 144 T2V blocks; I2V 132-144): 0 kept 28.3 / 32.8 dB, 1.0 30.7 /
+            34.2, 1.5 30.8 / 36.1, 2.0 30.4 / 36.1 dB; weighting the late steps more instead (the signal times
+            the step size) lost 1.0-1.3 dB against 0. See :data:`PRESETS` for the other budgets.
         calibration_momentum: weight of the previous ratio when a new one is measured, in [0, 1).
         signal: ``"input"`` (cheapest, default) or ``"first_block"`` (one block per reused step, more robust
             without a calibration).

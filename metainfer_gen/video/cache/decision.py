@@ -6,9 +6,9 @@ to the relative change of the full residual. The tensor side (``hooks.py``) meas
 decides. The error model follows TeaCache/MagCache (accumulate a per-step estimate until a threshold): the drift
 of the reused residual grows by ``ratio * signal`` each reused step, and the run's error is the sum of those
 drifts (each reused step adds its own output error to the latents), each weighted by how much an error on that
-step costs the finished clip (``weight``: more on the short early steps of a shifted schedule). The ratio comes from a calibration by
-schedule position (MagCache's per-step ratios, measured by ``metainfer-gen calibrate``), or is fitted online from
-the computed steps; never from polynomials fitted by hand per model (TeaCache).
+step costs the finished clip (``weight``: more on the short early steps of a shifted schedule). The ratio comes
+from a calibration by schedule position (MagCache's per-step ratios, measured by ``metainfer-gen calibrate``), or
+is fitted online from the computed steps; never from polynomials fitted by hand per model (TeaCache).
 """
 
 from __future__ import annotations
