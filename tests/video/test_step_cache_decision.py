@@ -17,7 +17,8 @@ from metainfer_gen.video.cache.stats import StepCacheStats, StepRecord
     (dict(max_consecutive_reuses=0), "max_consecutive_reuses"), (dict(extrapolate="yes"), "extrapolate"),
     (dict(calibration_momentum=1.0), "calibration_momentum"), (dict(warmup_fraction=1.0), "warmup_fraction"),
     (dict(warmup_fraction=-0.1), "warmup_fraction"), (dict(gate_aware=1), "gate_aware"),
-    (dict(step_size_exponent=-1.0), "step_size_exponent"), (dict(step_size_exponent=float("inf")), "step_size_exponent"),
+    (dict(step_size_exponent=-1.0), "step_size_exponent"),
+    (dict(step_size_exponent=float("inf")), "step_size_exponent"),
 ])
 def test_bad_config_raises_value_error_naming_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
