@@ -97,6 +97,27 @@ def test_trail_fades_behind_the_shape_and_the_reader_still_reads_the_clip(direct
     assert (reading.colour, reading.direction) == ("green", direction)
 
 
+def test_centred_starts_share_one_box_for_every_direction_and_keep_the_path_inside():
+    starts = {}
+    for direction in data.DIRECTIONS:
+        for seed in range(50):
+            spec = data.sample_spec(("red", "circle", direction), 17, 64, torch.Generator().manual_seed(seed),
+                                    centred=True)
+            travel = spec.speed * 16
+            assert 0.24 * 64 - 1e-4 <= travel <= 0.3 * 64 + 1e-4
+            margin = spec.radius + 1
+            # the box from which the path fits whichever way it goes
+            assert margin + travel <= spec.x0 <= 64 - margin - travel
+            assert margin + travel <= spec.y0 <= 64 - margin - travel
+            _, mask = data.render_clip(spec, 17, 64)
+            assert mask[:, [0, -1]].sum() + mask[:, :, [0, -1]].sum() < 1e-3  # never touches the border
+            starts.setdefault(direction, []).append((spec.x0, spec.y0))
+    means = torch.tensor([torch.tensor(v).mean(0).tolist() for v in starts.values()])
+    assert (means - 32).abs().max() < 2.5  # the start says nothing about the direction
+    plain = data.sample_spec(("red", "circle", "right"), 17, 64, torch.Generator().manual_seed(0))
+    assert plain.x0 < 64 * 0.5  # uncentred: a shape moving right starts where its path fits, the left part
+
+
 def test_trail_zero_draws_the_shipped_data():
     a = data.sample_batch(3, 9, 32, torch.Generator().manual_seed(1))
     b = data.sample_batch(3, 9, 32, torch.Generator().manual_seed(1), trail=0)

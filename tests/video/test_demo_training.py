@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -36,7 +38,9 @@ def test_shards_of_other_data_are_refused_before_any_encoding(tmp_path):
     shards = tmp_path / "shards"
     shards.mkdir()
     torch.save({}, shards / "shard_0000.pt")  # a shard from before the record: the shipped data, trail 0
-    with pytest.raises(ValueError, match="trail=0, not 2"):
+    with pytest.raises(ValueError, match="'trail': 0, 'centred': False}, not {'trail': 2"):
         encode_shards(None, tmp_path, 64, trail=2)
+    with pytest.raises(ValueError, match="not {'trail': 0, 'centred': True}"):
+        encode_shards(None, tmp_path, 64, centred=True)
     assert encode_shards(None, tmp_path, 64) == [shards / "shard_0000.pt"]  # same data: reused, nothing encoded
-    assert (shards / "data.json").read_text().strip() == '{"trail": 0}'
+    assert json.loads((shards / "data.json").read_text()) == {"trail": 0, "centred": False}

@@ -103,24 +103,35 @@ def vocabulary() -> list[str]:
 
 
 def sample_spec(
-    combo: tuple[str, str, str], num_frames: int, size: int, generator: torch.Generator, trail: int = 0
+    combo: tuple[str, str, str], num_frames: int, size: int, generator: torch.Generator, trail: int = 0,
+    centred: bool = False,
 ) -> ClipSpec:
     """Random geometry for one clip of ``combo`` that keeps the shape inside the frame for all ``num_frames``
-    (the trail, if any, may leave it)."""
+    (the trail, if any, may leave it).
+
+    ``centred``: the start is drawn from the central box from which the shape could travel its whole path in any of
+    the four directions (and the path is 24-30% of the frame instead of 35-50%), so where a clip starts says
+    nothing about where it goes: the direction word is the only cue to it. Otherwise the start is drawn from
+    where this clip's own path fits, so a shape near the left edge can only be moving right, up or down.
+    """
 
     def uniform(lo: float, hi: float) -> float:
         return lo + (hi - lo) * torch.rand((), generator=generator).item()
 
     colour, shape, direction = combo
     radius = uniform(0.11, 0.17) * size
-    speed = uniform(0.35, 0.5) * size / max(num_frames - 1, 1)  # travels 35-50% of the frame
+    speed = (uniform(0.24, 0.3) if centred else uniform(0.35, 0.5)) * size / max(num_frames - 1, 1)
     travel = speed * (num_frames - 1)
     dx, dy = DIRECTIONS[direction]
     margin = radius + 1.0
-    lo_x = margin - min(dx, 0.0) * travel
-    hi_x = size - margin - max(dx, 0.0) * travel
-    lo_y = margin - min(dy, 0.0) * travel
-    hi_y = size - margin - max(dy, 0.0) * travel
+    if centred:  # the box every direction's path fits from: 2 * (margin + travel) <= size at the largest radius
+        lo_x = lo_y = margin + travel
+        hi_x = hi_y = size - margin - travel
+    else:
+        lo_x = margin - min(dx, 0.0) * travel
+        hi_x = size - margin - max(dx, 0.0) * travel
+        lo_y = margin - min(dy, 0.0) * travel
+        hi_y = size - margin - max(dy, 0.0) * travel
     background = tuple(uniform(0.0, 0.22) for _ in range(3))
     return ClipSpec(colour, shape, direction, uniform(lo_x, hi_x), uniform(lo_y, hi_y), speed, radius, background,
                     trail)
@@ -194,9 +205,10 @@ def sample_batch(
     generator: torch.Generator,
     combos: list[tuple[str, str, str]] | None = None,
     trail: int = 0,
+    centred: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, list[ClipSpec]]:
     """A batch of random clips drawn from ``combos`` (default: the training combinations), with ``trail`` fading
-    copies behind each shape.
+    copies behind each shape, and starts drawn as :func:`sample_spec`'s ``centred`` says.
 
     Returns:
         videos (B, 3, F, size, size) in [-1, 1], masks (B, F, size, size), and the specs.
@@ -205,7 +217,7 @@ def sample_batch(
     specs, videos, masks = [], [], []
     for _ in range(batch_size):
         combo = combos[int(torch.randint(len(combos), (), generator=generator))]
-        spec = sample_spec(combo, num_frames, size, generator, trail)
+        spec = sample_spec(combo, num_frames, size, generator, trail, centred)
         video, mask = render_clip(spec, num_frames, size)
         specs.append(spec)
         videos.append(video)

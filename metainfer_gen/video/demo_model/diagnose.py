@@ -8,7 +8,9 @@ Two readings per noise level ``sigma`` (rectified flow, ``x_s = (1 - s) x_0 + s 
 * **motion extrapolation** (image-to-video: clean first latent frame, the others at ``sigma``): the object's
   centroid in the predicted clean latent ``x_0 = x_s - s * v`` against the true one, per latent frame, next to the
   error of a guess that the object stays where the first frame shows it. Below that "static" error the model
-  moves the object the right way; above it, the wrong way.
+  moves the object the right way; above it, the wrong way. Also the mean displacement of the predicted object
+  from its first-frame position along the true direction, with the true prompt and with the direction word
+  swapped: equal columns mean the path comes from the noisy frames, not from the word.
 
 Run (a pipeline folder written by ``train_transformer``; reads its ``work_dir`` shards)::
 
@@ -76,7 +78,8 @@ def diagnose(pipeline_dir: str, work_dir: str, num_clips: int = 64, sigmas=(0.3,
              seed: int = 0, text_length: int | None = None) -> dict:
     """Both readings on the first ``num_clips`` training clips; returns ``{"t2v": ..., "i2v": ..., "motion": ...}``
     where t2v/i2v map ``sigma`` to ``{prompt variant: loss}`` and motion maps ``sigma`` to per-frame centroid
-    errors (latent pixels) with the static guess's errors."""
+    errors (latent pixels) with the static guess's errors, and per-frame displacements along the true direction
+    (``"along"``: truth, true prompt, direction word swapped)."""
     from diffusers import WanPipeline
 
     from metainfer_gen.video.demo_model.latents import SHARD_SIZE, load_shards
@@ -104,7 +107,13 @@ def diagnose(pipeline_dir: str, work_dir: str, num_clips: int = 64, sigmas=(0.3,
     per_frame = (height // patch_h) * (width // patch_w)
     true_centroids = latent_centroids(x0)
     static = (true_centroids[:, :1] - true_centroids).norm(dim=-1).nanmean(0)
-    result: dict = {"t2v": {}, "i2v": {}, "motion": {}}
+    unit = torch.tensor([DIRECTIONS[c[2]] for c in combos]).view(-1, 1, 2)  # (N, 1, 2) (dx, dy) per clip
+
+    def along(centroids: torch.Tensor) -> list[float]:
+        moved = ((centroids - true_centroids[:, :1]) * unit).sum(-1).nanmean(0)
+        return [round(v, 2) for v in moved.tolist()]
+
+    result: dict = {"t2v": {}, "i2v": {}, "motion": {}, "along": {"truth": along(true_centroids)}}
     for sigma in sigmas:
         for task in ("t2v", "i2v"):
             xt = (1 - sigma) * x0 + sigma * noise
@@ -118,8 +127,11 @@ def diagnose(pipeline_dir: str, work_dir: str, num_clips: int = 64, sigmas=(0.3,
                 pred = torch.cat([transformer(xt[i:i + 16], timestep[i:i + 16], embed[i:i + 16], return_dict=False)[0]
                                   for i in range(0, len(x0), 16)])
                 losses[name] = round(((pred - (noise - x0))[:, :, first:] ** 2).mean().item(), 5)
+                if task == "i2v" and name in ("true", "direction"):
+                    predicted = latent_centroids(xt - sigma * pred)
+                    result["along"].setdefault(sigma, {})[name] = along(predicted)
                 if task == "i2v" and name == "true":
-                    errors = (latent_centroids(xt - sigma * pred) - true_centroids).norm(dim=-1).nanmean(0)
+                    errors = (predicted - true_centroids).norm(dim=-1).nanmean(0)
                     result["motion"][sigma] = {"model": [round(v, 2) for v in errors.tolist()],
                                                "static": [round(v, 2) for v in static.tolist()]}
             result[task][sigma] = losses
@@ -144,6 +156,10 @@ def main(argv: list[str] | None = None) -> None:
     print("i2v motion: centroid error per latent frame (latent px), model vs a static guess")
     for sigma, row in result["motion"].items():
         print(f"  sigma {sigma:<5} model {row['model']}  static {row['static']}")
+    print(f"i2v displacement along the true direction per latent frame (latent px); truth {result['along']['truth']}")
+    for sigma, row in result["along"].items():
+        if sigma != "truth":
+            print(f"  sigma {sigma:<5} true prompt {row['true']}  direction swapped {row['direction']}")
 
 
 if __name__ == "__main__":

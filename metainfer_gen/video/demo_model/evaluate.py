@@ -97,9 +97,10 @@ def trail_direction(frames: np.ndarray, colour: str) -> str | None:
 
 
 def evaluate(model: str | None = None, num_inference_steps: int | None = None, guidance_scale: float | None = None,
-             seed: int = 0, combos: list | None = None, trail: int = 0) -> dict:
+             seed: int = 0, combos: list | None = None, trail: int = 0, centred: bool = False) -> dict:
     """Render every held-out prompt with text-to-video and image-to-video; return accuracies and per-clip rows.
-    ``trail``: the image-to-video first frames carry that many fading copies (for a model trained with them)."""
+    ``trail``: the image-to-video first frames carry that many fading copies (for a model trained with them);
+    ``centred``: their shapes start in the central box (``data.sample_spec``)."""
     import torch
 
     from metainfer_gen import pipelines
@@ -117,7 +118,7 @@ def evaluate(model: str | None = None, num_inference_steps: int | None = None, g
         prompt = TEMPLATES[index % len(TEMPLATES)].format(colour=colour, shape=shape, direction=direction)
         t2v_out = t2v(prompt, seed=seed + index, **call)
         spec = sample_spec(combo, configs.NUM_FRAMES, configs.SIZE, torch.Generator().manual_seed(10_000 + index),
-                           trail)
+                           trail, centred)
         image = first_frame(spec, configs.SIZE)
         i2v_out = i2v(image, prompt, seed=seed + index, **call)
         for task, out in (("t2v", t2v_out), ("i2v", i2v_out)):
@@ -158,8 +159,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default=None, help="also write the full result to this file")
     parser.add_argument("--trail", type=int, default=0,
                         help="fading copies in the image-to-video first frames (a model trained with --trail)")
+    parser.add_argument("--centred-start", action="store_true",
+                        help="image-to-video first frames start in the central box (a model trained with it)")
     args = parser.parse_args(argv)
-    result = evaluate(args.model, args.steps, args.guidance_scale, args.seed, trail=args.trail)
+    result = evaluate(args.model, args.steps, args.guidance_scale, args.seed, trail=args.trail,
+                      centred=args.centred_start)
     print(json.dumps({"summary": result["summary"], "settings": result["settings"]}, indent=1))
     if args.json:
         with open(args.json, "w") as f:

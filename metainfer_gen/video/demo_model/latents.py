@@ -20,23 +20,27 @@ SHARD_SIZE = 64
 
 
 @torch.no_grad()
-def encode_shards(vae, work_dir: str | Path, num_clips: int, seed: int = 1, trail: int = 0) -> list[Path]:
+def encode_shards(vae, work_dir: str | Path, num_clips: int, seed: int = 1, trail: int = 0,
+                  centred: bool = False) -> list[Path]:
     """Write ``ceil(num_clips / 64)`` shards, each a dict: latents (N, z, F', h, w) float32 (raw, not normalised),
     combo (N,) index into :func:`training_combinations`, template (N,) index into ``TEMPLATES``; ``trail``: fading
-    copies behind each shape (:class:`~metainfer_gen.video.demo_model.data.ClipSpec`), recorded in
-    ``shards/data.json``.
+    copies behind each shape (:class:`~metainfer_gen.video.demo_model.data.ClipSpec`) and ``centred`` starts
+    (:func:`~metainfer_gen.video.demo_model.data.sample_spec`), both recorded in ``shards/data.json``.
 
     Raises:
-        ValueError: the folder's shards were drawn with another ``trail`` (they would be reused silently).
+        ValueError: the folder's shards were drawn with another ``trail`` or ``centred`` (they would be reused
+            silently).
     """
     shard_dir = Path(work_dir) / "shards"
     shard_dir.mkdir(parents=True, exist_ok=True)
     record = shard_dir / "data.json"
-    drawn = json.loads(record.read_text()).get("trail", 0) if record.exists() else (
-        0 if any(shard_dir.glob("shard_*.pt")) else trail)  # shards from before the record: the shipped data
-    if drawn != trail:
-        raise ValueError(f"{shard_dir} holds clips drawn with trail={drawn}, not {trail}: use another --work-dir")
-    record.write_text(json.dumps({"trail": trail}) + "\n")
+    wanted = {"trail": trail, "centred": centred}
+    old = json.loads(record.read_text()) if record.exists() else (
+        {} if any(shard_dir.glob("shard_*.pt")) else wanted)  # shards from before the record: the shipped data
+    drawn = {"trail": old.get("trail", 0), "centred": old.get("centred", False)}
+    if drawn != wanted:
+        raise ValueError(f"{shard_dir} holds clips drawn with {drawn}, not {wanted}: use another --work-dir")
+    record.write_text(json.dumps(wanted) + "\n")
     combos = training_combinations()
     paths = []
     for index in range((num_clips + SHARD_SIZE - 1) // SHARD_SIZE):
@@ -46,7 +50,7 @@ def encode_shards(vae, work_dir: str | Path, num_clips: int, seed: int = 1, trai
             continue
         generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
         videos, _, specs = sample_batch(SHARD_SIZE, configs.NUM_FRAMES, configs.SIZE, generator, combos=combos,
-                                      trail=trail)
+                                      trail=trail, centred=centred)
         latents = torch.cat([vae.encode(videos[i:i + 8]).latent_dist.mode() for i in range(0, SHARD_SIZE, 8)])
         shard = {
             "latents": latents,

@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="extra loss weight on the positions the object crosses (see path_weight; 0: plain)")
     parser.add_argument("--trail", type=int, default=0,
                         help="fading copies behind each training shape (data.ClipSpec.trail; 0: the shipped data)")
+    parser.add_argument("--centred-start", action="store_true",
+                        help="start every clip in the central box (data.sample_spec centred): the start says nothing "
+                             "about the direction")
     parser.add_argument("--init-from", default=None,
                         help="start from the transformer of this pipeline folder (fine-tuning; fresh optimiser)")
     parser.add_argument("--attention-head-dim", type=int, default=configs.TRANSFORMER_CONFIG["attention_head_dim"],
@@ -110,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
 
     work_dir = Path(args.work_dir)
     vae = AutoencoderKLWan.from_pretrained(args.vae_dir).eval().requires_grad_(False)
-    data = load_shards(encode_shards(vae, work_dir, args.num_clips, trail=args.trail))
+    data = load_shards(encode_shards(vae, work_dir, args.num_clips, trail=args.trail,
+                                          centred=args.centred_start))
     mean, std = latent_statistics(data["latents"], work_dir)
     vae.register_to_config(latents_mean=mean, latents_std=std)
     latents = (data["latents"] - torch.tensor(mean).view(1, -1, 1, 1, 1)) / torch.tensor(std).view(1, -1, 1, 1, 1)
