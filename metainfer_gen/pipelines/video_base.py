@@ -38,20 +38,23 @@ class VideoPipelineBase:
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path=None, *, torch_dtype=None, device: str | None = None,
-                        **kwargs):
+                        vae_dtype=None, **kwargs):
         """Load the embedded default model (no argument), a local pipeline folder or a hub id.
 
         Args:
             pretrained_model_name_or_path: None, a directory saved by ``save_pretrained``, or a hub id.
-            torch_dtype: weights dtype; default float32 on CPU, bfloat16 on CUDA.
+            torch_dtype: weights dtype; default float32 on CPU, bfloat16 on CUDA; or diffusers' dict per component.
             device: where to run; default CUDA when available, else CPU.
+            vae_dtype: the VAE's own dtype, e.g. ``torch.bfloat16`` for a decode about 1.5x faster on a CPU with native
+                bf16 (see ``pipelines.loading.load_diffusers_pipeline``); default: ``torch_dtype``.
             kwargs: forwarded to ``diffusers.DiffusionPipeline.from_pretrained`` (e.g. ``variant``).
         Raises:
             FileNotFoundError: a local path that does not exist or holds no pipeline.
             ValueError: the checkpoint cannot perform this pipeline's task.
         """
         pipe, source, settings = load_diffusers_pipeline(
-            pretrained_model_name_or_path, cls.task, torch_dtype=torch_dtype, device=device, **kwargs
+            pretrained_model_name_or_path, cls.task, torch_dtype=torch_dtype, device=device, vae_dtype=vae_dtype,
+            **kwargs
         )
         return cls(pipe, settings=settings, source=source)
 

@@ -51,6 +51,26 @@ def test_render_writes_an_h264_clip_with_the_asked_frames(tmp_path, tiny_wan_dir
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.mp4"]  # no temporaries left
 
 
+def test_vae_dtype_loads_the_vae_alone_in_bfloat16(tmp_path, tiny_wan_dir, monkeypatch):
+    import torch
+
+    from metainfer_gen.pipelines import TextToVideoPipeline
+
+    dtypes = []
+    original = TextToVideoPipeline.__call__
+
+    def spy(self, *args, **kwargs):
+        parts = self.diffusers_pipeline
+        dtypes.append((parts.vae.dtype, parts.transformer.dtype))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(TextToVideoPipeline, "__call__", spy)
+    out = tmp_path / "c.mp4"
+    assert main(["render", PROMPT, "-o", str(out), "--vae-dtype", "bfloat16", *small(tiny_wan_dir)]) == 0
+    assert dtypes == [(torch.bfloat16, torch.float32)]
+    assert ffmpeg_stream_info(out)["frames"] == 5
+
+
 def test_image_flag_renders_image_to_video(tmp_path, tiny_wan_dir, monkeypatch):
     from metainfer_gen.pipelines import ImageToVideoPipeline, TextToVideoPipeline
 
