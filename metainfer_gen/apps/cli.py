@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from metainfer_gen import __version__
+from metainfer_gen.apps.video_args import add_video_model_arguments, load_options
 
 
 def _positive_int(text: str) -> int:
@@ -61,11 +62,7 @@ def _add_render_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed; in batches, line i without a seed uses seed+i")
     p.add_argument("--fps", type=float, default=None, help="frames per second of the written clip")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="weights dtype (default float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--vae-dtype", choices=("float32", "bfloat16"), default=None,
-                   help="the VAE's own dtype (default: --dtype); bfloat16 decodes about 1.5x faster on a CPU with native "
-                        "bf16 ('metainfer-gen doctor' says), 57-62 dB from float32 on the embedded model")
+    add_video_model_arguments(p)
     p.add_argument("--cache", type=_cache_spec, default="off",
                    help="step cache: auto (ours, balanced), quality, fast, auto=BUDGET, or a baseline: fbcache, "
                         "magcache, taylorseer, dbcache (name=value sets its threshold); off disables (default)")
@@ -75,7 +72,6 @@ def _add_render_parser(subparsers) -> None:
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:WEIGHT]",
                    help="LoRA file or folder, optional weight (default 1.0); repeat for several. A prompt-file line's "
                         "'lora' field replaces these for that line")
-    p.add_argument("--fused-kernels", action="store_true", help="swap the registry kernels into the transformer and the VAE")
     p.add_argument("--cfg-parallel", action="store_true",
                    help="under torchrun (even number of ranks): each pair of ranks computes the conditional and "
                         "unconditional passes of a clip side by side; with --prompts the pairs split the file")
@@ -110,14 +106,11 @@ def _call_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def _pipeline_factory(args: argparse.Namespace) -> Callable[[str], Any]:
     """task -> pipeline, loading the weights once and sharing them between tasks where the model allows."""
-    import torch
-
     from metainfer_gen import pipelines
 
     classes = {"text-to-video": pipelines.TextToVideoPipeline, "image-to-video": pipelines.ImageToVideoPipeline}
     loaded: dict[str, Any] = {}
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    vae_dtype = getattr(torch, args.vae_dtype) if args.vae_dtype else None
+    options = load_options(args)
 
     def get(task: str):
         if task not in loaded:
@@ -131,7 +124,7 @@ def _pipeline_factory(args: argparse.Namespace) -> Callable[[str], Any]:
                     pipe = None
             # Cached only once loaded: a failed load is retried (and reports its own error) for the next clip.
             if pipe is None:
-                pipe = cls.from_pretrained(args.model, torch_dtype=dtype, device=args.device, vae_dtype=vae_dtype)
+                pipe = cls.from_pretrained(args.model, device=args.device, **options)
                 if args.fused_kernels:
                     pipe.enable_fused_kernels()
                 pipe.enable_step_cache(args.cache, calibration=args.cache_calibration)

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from metainfer_gen.apps.demo_limits import DemoLimits, list_loras
+from metainfer_gen.apps.video_args import add_video_model_arguments, load_options
 
 DEFAULT_PORT = 7860
 
@@ -42,9 +43,7 @@ def add_demo_parser(subparsers) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to bind (default {DEFAULT_PORT})")
     p.add_argument("--share", action="store_true", help="also ask gradio for a temporary public link")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="weights dtype (default float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--fused-kernels", action="store_true", help="swap the registry kernels into the video transformer and VAE")
+    add_video_model_arguments(p)
     p.add_argument("--lora-dir", default=None,
                    help="folder of LoRA files (.safetensors, .bin) the page offers by name (default: the demo LoRAs "
                         "shipped for the embedded model when --model is not given, else no LoRA control)")
@@ -85,12 +84,10 @@ def load_backend(args: argparse.Namespace, output_dir: Path):
     A model the user named that fails to load raises; the image-to-video and embedded-LLM tabs are left out
     with a note when their model cannot be had.
     """
-    import torch
-
     from metainfer_gen import pipelines
     from metainfer_gen.apps.demo_backend import DemoBackend
 
-    dtype = getattr(torch, args.dtype) if args.dtype else None
+    options = load_options(args)
     notes: list[str] = []
     lora_dir = args.lora_dir
     if lora_dir is None and args.model is None:
@@ -99,11 +96,11 @@ def load_backend(args: argparse.Namespace, output_dir: Path):
         lora_dir = default_lora_dir()  # trained for the embedded model only
     if lora_dir is not None and not list_loras(lora_dir):  # a missing folder raises here, before loading
         notes.append(f"No LoRA control: {lora_dir} holds no .safetensors or .bin file")
-    t2v = pipelines.TextToVideoPipeline.from_pretrained(args.model, torch_dtype=dtype, device=args.device)
+    t2v = pipelines.TextToVideoPipeline.from_pretrained(args.model, device=args.device, **options)
     if args.fused_kernels:
         t2v.enable_fused_kernels()
     if args.i2v_model:
-        i2v = pipelines.ImageToVideoPipeline.from_pretrained(args.i2v_model, torch_dtype=dtype, device=args.device)
+        i2v = pipelines.ImageToVideoPipeline.from_pretrained(args.i2v_model, device=args.device, **options)
         if args.fused_kernels:
             i2v.enable_fused_kernels()
     else:
@@ -119,7 +116,7 @@ def load_backend(args: argparse.Namespace, output_dir: Path):
     if not args.no_llm:
         try:
             llm = pipelines.TextGenerationPipeline.from_pretrained(args.llm_model, device=args.device,
-                                                                   torch_dtype=dtype)
+                                                                   torch_dtype=options["torch_dtype"])
         except Exception as exc:  # noqa: BLE001 - the embedded LLM may be missing or half-built; never fatal
             if args.llm_model:
                 raise

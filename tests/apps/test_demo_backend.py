@@ -184,6 +184,20 @@ def test_an_i2v_only_checkpoint_serves_the_image_tab_next_to_a_t2v_model(tiny_wa
     assert read_video(result.path).shape == (5, 32, 32, 3)
 
 
+def test_vae_dtype_puts_both_tabs_vae_alone_in_bfloat16(tiny_wan_dir, tiny_wan_i2v_dir, tmp_path):
+    import torch
+
+    from metainfer_gen.apps.demo import load_backend
+
+    backend = load_backend(demo_args(model=tiny_wan_dir, i2v_model=tiny_wan_i2v_dir, no_llm=True,
+                                     vae_dtype="bfloat16"), tmp_path)
+    for pipe in (backend.t2v, backend.i2v):
+        parts = pipe.diffusers_pipeline
+        assert (parts.vae.dtype, parts.transformer.dtype) == (torch.bfloat16, torch.float32)
+    result = backend.text_to_video(PROMPT, None, *SMALL.values(), "off")
+    assert read_video(result.path).shape == (5, 32, 32, 3)
+
+
 def test_an_explicit_llm_that_fails_to_load_is_an_error(tiny_wan_dir, tmp_path):
     from metainfer_gen.apps.demo import load_backend
 
