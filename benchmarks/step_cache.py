@@ -81,7 +81,6 @@ def decode_report(pipe, reference_dtype, fused: bool) -> str:
     import time
 
     import torch
-    from diffusers import AutoencoderKLWan
 
     from metainfer_gen.kernels import fuse_kernels
     from metainfer_gen.video.demo_model.data import to_uint8
@@ -99,7 +98,7 @@ def decode_report(pipe, reference_dtype, fused: bool) -> str:
                 seconds.append(time.perf_counter() - start)
         return min(seconds), to_uint8(pixels.float())
 
-    other = AutoencoderKLWan.from_pretrained(Path(str(pipe.source)) / "vae", torch_dtype=reference_dtype).eval()
+    other = type(vae).from_pretrained(str(pipe.source), subfolder="vae", torch_dtype=reference_dtype).eval()
     if fused:
         fuse_kernels(other, OUTSIDE_BLOCKS)
     fast, ours = decode(vae)
