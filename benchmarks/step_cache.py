@@ -76,8 +76,8 @@ def adherence(frames: np.ndarray, combo: tuple) -> float:
 
 def decode_report(pipe, reference_dtype, fused: bool) -> str:
     """One line: the VAE decode's seconds in its dtype and in ``reference_dtype`` (a fresh copy loaded from the
-    model folder or hub id, with the same kernels; best of 3, one random latent of the default clip) and the PSNR between
-    the two decoded clips."""
+    model folder or hub id, with the same kernels; best of 3, one random latent of the default clip) and the PSNR
+    between the two decoded clips."""
     import time
 
     import torch
