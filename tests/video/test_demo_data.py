@@ -114,8 +114,10 @@ def test_centred_starts_share_one_box_for_every_direction_and_keep_the_path_insi
             starts.setdefault(direction, []).append((spec.x0, spec.y0))
     means = torch.tensor([torch.tensor(v).mean(0).tolist() for v in starts.values()])
     assert (means - 32).abs().max() < 2.5  # the start says nothing about the direction
-    plain = data.sample_spec(("red", "circle", "right"), 17, 64, torch.Generator().manual_seed(0))
-    assert plain.x0 < 64 * 0.5  # uncentred: a shape moving right starts where its path fits, the left part
+    plain = [data.sample_spec(("red", "circle", "right"), 17, 64, torch.Generator().manual_seed(seed)).x0
+             for seed in range(50)]
+    # uncentred: a shape moving right starts where its path fits, so the start gives the direction away
+    assert max(plain) < 64 - 8 - 0.35 * 64 and sum(plain) / len(plain) < 24
 
 
 def test_trail_zero_draws_the_shipped_data():
