@@ -346,8 +346,11 @@ def render_batch(
     if shard.leader:
         summary.skipped = len(jobs) - len(pending)
     for job in tqdm(pending[shard.index::shard.count], desc="render", unit="clip", disable=not progress):
-        record: dict[str, Any] = {"job_id": job.job_id, "line": job.line, "prompt": job.prompt, "seed": job.seed,
-                                  "image": job.image, "settings": job.call, "path": job.name + suffix}
+        # A line that did not parse rendered nothing: its seed is no seed the user gave or a clip used (the error
+        # quotes the bad value instead).
+        record: dict[str, Any] = {"job_id": job.job_id, "line": job.line, "prompt": job.prompt,
+                                  "seed": None if job.error else job.seed, "image": job.image, "settings": job.call,
+                                  "path": job.name + suffix}
         if shard.shared:
             record["dp_rank"] = shard.index
         started = time.perf_counter()
