@@ -139,20 +139,22 @@ class FusedWanAttentionHook(_model_hook_base()):
             encoder_hidden_states_img = encoder_hidden_states[:, :image_context_length]
             encoder_hidden_states = encoder_hidden_states[:, image_context_length:]
 
+        # Self- and cross-attention (attn1, attn2) are separate call sites in the audit: their keys differ in length.
+        site = "WanAttention(self)" if encoder_hidden_states is None else "WanAttention(cross)"
         query, key, value = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)  # (B, S, H*D)
-        query = self._norm(attn.norm_q, query, "WanAttention.norm_q")
-        key = self._norm(attn.norm_k, key, "WanAttention.norm_k")
+        query = self._norm(attn.norm_q, query, f"{site}.norm_q")
+        key = self._norm(attn.norm_k, key, f"{site}.norm_k")
         query = query.unflatten(2, (attn.heads, -1))  # (B, S, H, D)
         key = key.unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
         if rotary_emb is not None:
-            query = self._rotate(query, rotary_emb, "WanAttention.rope_q")
-            key = self._rotate(key, rotary_emb, "WanAttention.rope_k")
+            query = self._rotate(query, rotary_emb, f"{site}.rope_q")
+            key = self._rotate(key, rotary_emb, f"{site}.rope_k")
 
         hidden_states_img = None
         if encoder_hidden_states_img is not None:
             key_img, value_img = _get_added_kv_projections(attn, encoder_hidden_states_img)
-            key_img = self._norm(attn.norm_added_k, key_img, "WanAttention.norm_added_k")
+            key_img = self._norm(attn.norm_added_k, key_img, f"{site}.norm_added_k")
             key_img = key_img.unflatten(2, (attn.heads, -1))
             value_img = value_img.unflatten(2, (attn.heads, -1))
             hidden_states_img = dispatch_attention_fn(query, key_img, value_img, attn_mask=None, dropout_p=0.0,
