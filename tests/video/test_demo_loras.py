@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -44,7 +45,8 @@ def test_step_lora_distils_resumes_and_loads_completely(tiny_wan_dir, tmp_path, 
     log = [json.loads(line) for line in (work / "log.jsonl").read_text().splitlines()]
     assert "resumed" in capsys.readouterr().out and shard.stat().st_mtime_ns == stamp  # teacher kept
     assert [r["step"] for r in log] == [4, 8]
-    assert [row["name"] for row in result["rows"]] == ["base 6 steps", "step LoRA 2 steps", "step LoRA 3 steps"]
+    assert [row["name"] for row in result["rows"]] == ["base 6 steps", "step LoRA 2 steps", "step LoRA 3 steps",
+                                                      "base unguided 2 steps", "base unguided 3 steps"]
     assert all(row["psnr"] > 0 and 0 < row["ssim"] <= 1 for row in result["rows"][1:])
     pipe = TextToVideoPipeline.from_pretrained(tiny_wan_dir, device="cpu")
     report = pipe.load_lora(out)
@@ -66,3 +68,13 @@ def test_style_lora_moves_the_background_at_weight_1_and_not_at_0(tiny_wan_dir, 
     np.testing.assert_allclose(result["weight_0"]["background"], base, atol=1e-4)  # weight 0: the base model
     # Weight 1 moves the background towards the style (as this tiny random VAE renders it) by at least a quarter.
     assert result["weight_1"]["distance_to_target"] < 0.75 * result["weight_0"]["distance_to_target"]
+
+
+def test_style_lora_refuses_latents_encoded_with_the_other_start_rule(tiny_wan_dir, tmp_path):
+    work = tmp_path / "work"
+    args = [str(tiny_wan_dir), "--work-dir", str(work), "--out", str(work / "s.safetensors"), "--num-clips", "4",
+            "--steps", "1", "--eval-prompts", "0", *TINY]
+    train_style_lora.main(args)
+    assert torch.load(work / "latents.pt")["centred"] is True
+    with pytest.raises(ValueError, match="centred=True, not False"):
+        train_style_lora.main([*args, "--no-centred-start"])
