@@ -30,6 +30,38 @@ def test_teacher_latents_interpolate_exactly_along_an_euler_trajectory():
     torch.testing.assert_close(train_step_lora.at_sigmas(trajectory, sigmas, queries), expected)
 
 
+def test_teacher_runs_the_model_at_its_own_prompt_length(tiny_wan_dir, tmp_path):
+    """The embedded model reads 16 prompt rows (its settings file); a teacher at diffusers' default 512 is another,
+    worse model, and a LoRA distilled from it lost adherence and fidelity against the real one."""
+    import argparse
+    import shutil
+
+    from metainfer_gen.pipelines.loading import SETTINGS_FILE
+    from metainfer_gen.video.demo_model import lora_training
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_wan_dir, model)
+    (model / SETTINGS_FILE).write_text(json.dumps({"max_sequence_length": 16}))
+    pipe = lora_training.load_pipeline(str(model))
+    args = argparse.Namespace(seed=0, teacher_steps=3, num_frames=5, size=32, guidance=1.0)
+    data = train_step_lora.teacher_shards(pipe, tmp_path / "work", args, 2, [3])
+
+    diffusers_pipe = pipe.diffusers_pipeline  # the teacher's own draws (train_step_lora.teacher_shards), redone
+    generator = torch.Generator().manual_seed(0)
+    prompts = train_step_lora.prompt_table(diffusers_pipe)[1]
+    chosen = torch.randint(len(prompts) - 1, (train_step_lora.SHARD,), generator=generator)
+    noise = torch.randn(data["K3"][:, 0].shape, generator=generator)
+    torch.testing.assert_close(data["K3"][:, 0], noise)
+
+    def final(length):
+        return diffusers_pipe([prompts[i] for i in chosen], num_frames=5, height=32, width=32, num_inference_steps=3,
+                              guidance_scale=1.0, max_sequence_length=length, latents=noise.clone(),
+                              output_type="latent").frames
+
+    torch.testing.assert_close(data["K3"][:, -1], final(16))
+    assert not torch.allclose(data["K3"][:, -1], final(512), atol=1e-4)  # the length matters on this model
+
+
 def test_step_lora_distils_resumes_and_loads_completely(tiny_wan_dir, tmp_path, capsys):
     from metainfer_gen.pipelines import TextToVideoPipeline
 

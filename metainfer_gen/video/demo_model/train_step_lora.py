@@ -51,7 +51,11 @@ def at_sigmas(trajectory: torch.Tensor, sigmas: torch.Tensor, queries: torch.Ten
 
 @torch.no_grad()
 def teacher_shards(pipe, work_dir: Path, args, num_prompts: int, student_steps: list[int]) -> dict:
-    """Teacher latents at every student schedule: ``{"prompt_index": (N,), "K<k>": (N, k + 1, z, F', h, w)}``."""
+    """Teacher latents at every student schedule: ``{"prompt_index": (N,), "K<k>": (N, k + 1, z, F', h, w)}``.
+
+    The teacher is the model as its settings file runs it: at its ``max_sequence_length`` (16 prompt rows for the
+    embedded model, not diffusers' 512, which that model never saw and which cost it most of its direction reading).
+    """
     diffusers_pipe = pipe.diffusers_pipeline
     _, prompts = prompt_table(diffusers_pipe)
     teacher_sigmas = schedule(diffusers_pipe, args.teacher_steps)
@@ -70,7 +74,8 @@ def teacher_shards(pipe, work_dir: Path, args, num_prompts: int, student_steps: 
             kept = [noise]
             diffusers_pipe([prompts[i] for i in chosen], num_frames=args.num_frames, height=args.size,
                            width=args.size, num_inference_steps=args.teacher_steps, guidance_scale=args.guidance,
-                           latents=noise.clone(), output_type="latent",
+                           max_sequence_length=pipe.default("max_sequence_length"), latents=noise.clone(),
+                           output_type="latent",
                            callback_on_step_end=lambda p, i, t, kw: kept.append(kw["latents"].clone()) or kw)
             trajectory = torch.stack(kept, dim=1)  # (SHARD, T + 1, z, F', h, w)
             shard = {"prompt_index": chosen}
