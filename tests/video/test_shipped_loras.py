@@ -2,7 +2,7 @@
 
 Figures on 24 held-out prompts are in build logs and the README; here two prompts each, few steps, so the test
 stays under a minute: the style LoRA moves the background to its navy at weight 1.0 and not at 0.0, and the
-step-reduction LoRA's 4 unguided steps draw the prompted colour where the base model's lose it.
+step-reduction LoRA's 4 unguided steps come closer to the 30-step guided clip than the base model's 4 unguided steps.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import pytest
 
 from metainfer_gen.pipelines.loading import default_lora_dir
 from metainfer_gen.video.demo_model import lora_eval
-from metainfer_gen.video.demo_model.evaluate import read_clip
 from metainfer_gen.video.demo_model.train_style_lora import STYLE_BACKGROUND
 
 LORAS = default_lora_dir()
@@ -43,18 +42,18 @@ def test_style_lora_moves_the_background_to_navy_at_weight_1_only(pipe):
     assert distance[0.0] > distance[1.0] + 0.08, distance
 
 
-def test_step_lora_keeps_the_prompt_in_4_unguided_steps_where_the_base_loses_it(pipe):
-    prompts = lora_eval.held_out_prompts(12)
-    expected = [combo[0] for _, combo in prompts]
-    base = [read_clip(clip).colour for clip in lora_eval.render(pipe, prompts, num_inference_steps=4,
-                                                                guidance_scale=1.0)]
+def test_step_lora_follows_the_guided_30_step_model_closer_than_the_base_in_4_unguided_steps(pipe):
+    prompts = lora_eval.held_out_prompts(4)
+    teacher = lora_eval.render(pipe, prompts, num_inference_steps=30)  # the model's own guidance
+    base = lora_eval.render(pipe, prompts, num_inference_steps=4, guidance_scale=1.0)
     pipe.load_lora(LORAS / "steps_4_8.safetensors", adapter_name="steps")
     try:
         clips = lora_eval.render(pipe, prompts, num_inference_steps=4, guidance_scale=1.0)
     finally:
         pipe.unload_lora("steps")
-    # Measured on 24 held-out prompts at 4 unguided steps: colour accuracy 100% with the LoRA, 71% without (the
-    # base draws no object or the wrong colour on 7 of 24; here on prompts 2 and 11). Fidelity to the 30-step guided
-    # clip is about equal (18.7 vs 18.6 dB): on the current weights the LoRA's gain is adherence, not closeness.
-    assert [read_clip(clip).colour for clip in clips] == expected
-    assert sum(b == e for b, e in zip(base, expected)) <= len(prompts) - 2, base
+    # Measured on 24 held-out prompts against the 30-step guided clip of the same seed: the LoRA at 4 unguided steps
+    # 24.3 dB (SSIM 0.928), the base model at 4 unguided steps 20.4 dB (0.879); adherence 100 vs 97.9. Here 4 prompts
+    # and a margin of 2 dB, under the 3.9 measured.
+    ours, theirs = lora_eval.fidelity(clips, teacher)["psnr"], lora_eval.fidelity(base, teacher)["psnr"]
+    assert ours > theirs + 2.0, (ours, theirs)
+    assert lora_eval.adherence(clips, prompts)["colour_accuracy"] == 1.0
