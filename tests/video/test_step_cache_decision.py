@@ -14,7 +14,7 @@ from metainfer_gen.video.cache.stats import StepCacheStats, StepRecord
     (dict(error_budget=0), "error_budget"), (dict(error_budget=-1.0), "error_budget"),
     (dict(error_budget=float("nan")), "error_budget"), (dict(error_budget=True), "error_budget"),
     (dict(num_warmup_steps=0), "num_warmup_steps"), (dict(num_warmup_steps=1.5), "num_warmup_steps"),
-    (dict(max_consecutive_reuses=0), "max_consecutive_reuses"), (dict(extrapolate="yes"), "extrapolate"),
+    (dict(max_consecutive_reuses=0), "max_consecutive_reuses"), (dict(cap_reference_steps=0), "cap_reference_steps"), (dict(extrapolate="yes"), "extrapolate"),
     (dict(calibration_momentum=1.0), "calibration_momentum"), (dict(warmup_fraction=1.0), "warmup_fraction"),
     (dict(warmup_fraction=-0.1), "warmup_fraction"), (dict(gate_aware=1), "gate_aware"),
     (dict(step_size_exponent=-1.0), "step_size_exponent"),
@@ -47,7 +47,8 @@ def _run(book: BranchBook, config: StepCacheConfig, signals, num_steps, changes=
 
 
 def test_warmup_last_step_and_cap_are_always_computed():
-    config = StepCacheConfig(error_budget=1e6, num_warmup_steps=2, max_consecutive_reuses=2, extrapolate=False)
+    config = StepCacheConfig(error_budget=1e6, num_warmup_steps=2, max_consecutive_reuses=2, extrapolate=False,
+                             cap_reference_steps=None)  # a fixed cap (the scaled one: test_reuse_cap_scales...)
     decisions = _run(BranchBook(), config, [None] + [0.01] * 9, num_steps=10)
     reasons = [d.reason for d in decisions]
     assert reasons[:2] == [Reason.NO_SIGNAL, Reason.WARMUP]
@@ -207,3 +208,13 @@ def test_step_weight_follows_the_timestep_spacing():
     for position in (1.0, 2.0):  # no timestep given: the hooks number steps upward, and nothing is weighted
         tracker.advance(None, position)
     assert tracker.step_weight(1.0) == 1.0
+
+
+def test_reuse_cap_scales_with_the_schedule_so_a_run_of_reuses_spans_the_same_share():
+    fast = StepCacheConfig.preset("fast")  # 6 in a row at 50 steps
+    assert [fast.reuse_cap(n) for n in (None, 4, 20, 30, 50, 100)] == [6, 1, 3, 4, 6, 12]
+    assert StepCacheConfig.preset("fast", cap_reference_steps=None).reuse_cap(20) == 6
+    config = StepCacheConfig(error_budget=1e6, num_warmup_steps=2, max_consecutive_reuses=4, extrapolate=False)
+    reused = [d.reuse for d in _run(BranchBook(), config, [None] + [0.01] * 19, num_steps=20)]
+    longest = max(len(run) for run in "".join("r" if r else "." for r in reused).split("."))
+    assert longest == 2  # ceil(4 * 20 / 50)

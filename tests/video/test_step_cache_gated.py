@@ -68,7 +68,7 @@ def test_gate_aware_reuse_tracks_the_uncached_run_closer_and_removal_unhooks(sig
     errors = {}
     for gate_aware in (True, False):
         config = StepCacheConfig(error_budget=1e3, num_warmup_steps=2, max_consecutive_reuses=2,
-                                 gate_aware=gate_aware, signal=signal)
+                                 cap_reference_steps=None, gate_aware=gate_aware, signal=signal)
         apply_step_cache(model, config)
         assert any(CAPTURE_HOOK in _hooked(m) for m in model.modules()) == gate_aware
         begin_step_cache_call(model, NUM_STEPS)

@@ -89,7 +89,7 @@ class BranchBook:
                                                                             self.extrapolation_ratio)
         if reuse_ratio is None:
             return self._compute(Reason.CALIBRATING, signal_total)
-        if self.consecutive_reuses >= config.max_consecutive_reuses:
+        if self.consecutive_reuses >= config.reuse_cap(num_steps):
             return self._compute(Reason.REUSE_CAP, signal_total)
         drift_reuse = self.drift_reuse + reuse_ratio * signal
         drift_extrapolation = (self.drift_extrapolation + extrapolation_ratio * signal
