@@ -3,20 +3,14 @@ Chromium through Selenium (Debian's ``chromium`` and ``chromium-driver`` package
 
 One server (tiny Wan model, tiny LLM) serves every test in this module; each test types into the page, clicks
 Generate and reads what a person would see: a video element with a playable MP4 of the right duration, and the
-stats text. Screenshots go to the test's temporary folder.
+stats text. Screenshots go to the test's temporary folder. The browser helpers live in
+``metainfer_gen.apps.demo_browser``, which also makes the README's screenshots on the embedded models.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -24,138 +18,45 @@ import pytest
 from PIL import Image
 
 pytest.importorskip("gradio", reason="the demo extra (gradio) is not installed")
-webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
 
 from selenium.webdriver.common.by import By  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+from metainfer_gen.apps.demo_browser import (find_browser, generate, open_page, open_tab,  # noqa: E402
+                                             start_demo, stop_demo, set_number, text_of, type_into, wait_until)
+
 FPS = 8.0  # the tiny model has no settings file: clips are written at VideoOutput's default
 START_TIMEOUT_S = 240  # imports and model loads on a busy 2-core machine
 CALL_TIMEOUT_S = 180
 
 
-def find_browser() -> tuple[str, str] | None:
-    """(chromium binary, chromedriver) from PATH, or None."""
-    binary = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
-    driver = shutil.which("chromedriver")
-    return (binary, driver) if binary and driver else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(condition, timeout: float, what: str, server=None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        if server is not None and server.poll() is not None:
-            pytest.fail(f"the demo server exited with {server.returncode} while waiting for {what}")
-        time.sleep(0.5)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def server(tiny_wan_dir, text_checkpoint, tmp_path_factory):
-    """The demo in a subprocess: (url, process, temp root it announced); stopped with SIGTERM afterwards."""
+    """The demo in a subprocess: (url, process, temp root it announced, log); stopped with SIGTERM afterwards."""
     if find_browser() is None:
         pytest.skip("no browser: install Debian's chromium and chromium-driver packages (chromedriver on PATH)")
-    port = free_port()
     log = tmp_path_factory.mktemp("demo_server") / "server.log"
-    command = [sys.executable, "-m", "metainfer_gen.apps.cli", "demo", "--model", str(tiny_wan_dir),
-               "--llm-model", str(text_checkpoint[2]), "--device", "cpu", "--port", str(port),
-               "--max-frames", "9", "--max-size", "64", "--max-steps", "4", "--max-new-tokens", "16"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    url = f"http://127.0.0.1:{port}/"
-
-    def up() -> bool:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                return response.status == 200
-        except OSError:
-            return False
-
-    try:
-        wait_until(up, START_TIMEOUT_S, f"the demo to serve {url}", server=process)
-    except BaseException:
-        process.kill()
-        print(log.read_text()[-4000:])
-        raise
+    url, process = start_demo(["--model", str(tiny_wan_dir), "--llm-model", str(text_checkpoint[2]),
+                               "--device", "cpu", "--max-frames", "9", "--max-size", "64", "--max-steps", "4",
+                               "--max-new-tokens", "16"], log, timeout=START_TIMEOUT_S)
     match = re.search(r"uploads and clips under (\S+)\)", log.read_text())
     yield url, process, Path(match.group(1)) if match else None, log
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    stop_demo(process)
 
 
 @pytest.fixture(scope="module")
 def page(server):
     """A headless Chromium at the demo's page, with every tab's controls rendered."""
-    binary, driver_path = find_browser()
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = binary
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1100",
-                     "--autoplay-policy=no-user-gesture-required"):
-        options.add_argument(argument)
-    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    driver = open_page(server[0])
     try:
-        driver.get(server[0])
-        wait_until(lambda: driver.find_elements(By.ID, "t2v-prompt"), 60, "the page to render")
         yield driver
     finally:
         driver.quit()
 
 
-def open_tab(driver, label: str) -> None:
-    tab = [b for b in driver.find_elements(By.CSS_SELECTOR, "[role=tab]") if b.text.strip() == label]
-    assert tab, f"no tab {label!r}; tabs: {[b.text for b in driver.find_elements(By.CSS_SELECTOR, '[role=tab]')]}"
-    tab[0].click()
-
-
-def type_into(driver, elem_id: str, text: str) -> None:
-    box = driver.find_element(By.CSS_SELECTOR, f"#{elem_id} textarea, #{elem_id} input")
-    box.clear()
-    box.send_keys(text)
-
-
-def set_number(driver, elem_id: str, value: int) -> None:
-    """A slider's number box: type the value and leave the box so the slider takes it."""
-    box = driver.find_element(By.CSS_SELECTOR, f"#{elem_id} input[type=number]")
-    driver.execute_script("arguments[0].select()", box)
-    box.send_keys(str(value))
-    box.send_keys("\t")
-
-
-def text_of(driver, elem_id: str) -> str:
-    return driver.find_element(By.CSS_SELECTOR, f"#{elem_id} textarea").get_attribute("value")
-
-
-def playable_video(driver, elem_id: str) -> dict | None:
-    """The video element's source and timing once it has decoded a frame (readyState >= 2), else None."""
-    videos = driver.find_elements(By.CSS_SELECTOR, f"#{elem_id} video")
-    if not videos:
-        return None
-    state = driver.execute_script(
-        "const v = arguments[0]; return {src: v.currentSrc, ready: v.readyState, duration: v.duration, "
-        "error: v.error && v.error.code, width: v.videoWidth, height: v.videoHeight};", videos[0])
-    return state if state["ready"] >= 2 and state["src"] else None
-
-
 def generate_clip(driver, prefix: str, num_frames: int) -> dict:
     set_number(driver, f"{prefix}-frames", num_frames)
-    driver.find_element(By.ID, f"{prefix}-generate").click()
-    video = wait_until(lambda: playable_video(driver, f"{prefix}-video"), CALL_TIMEOUT_S, f"the {prefix} video")
+    video = generate(driver, prefix, CALL_TIMEOUT_S)
     assert video["error"] is None and video["src"].endswith(".mp4")
     assert video["duration"] == pytest.approx(num_frames / FPS, abs=0.05)
     return video
