@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[2]
+# The embedded LLM's task (docs/demo_llm.md): recall a pass key hidden in text like its training corpus.
+PASSKEY_PROMPT = ("Return the hyperbolic tangent of x. The pass key is 48213. Remember it. 48213 is the pass key. "
+                  "Adapt given object to given protocol. What is the pass key? The pass key is")
 
 
 def find_browser() -> tuple[str, str] | None:
@@ -223,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
 
         open_tab(driver, "LLM")
         wait_until(lambda: driver.find_element(By.ID, "llm-generate").is_displayed(), 30, "the LLM tab")
-        type_into(driver, "llm-prompt", "the quick brown fox")
+        type_into(driver, "llm-prompt", PASSKEY_PROMPT)
+        set_number(driver, "llm-max-new-tokens", 8)
         driver.find_element(By.ID, "llm-generate").click()
         wait_until(lambda: text_of(driver, "llm-stats"), 180, "the LLM stats")
         driver.save_screenshot(str(out / "demo_llm.png"))
