@@ -138,8 +138,10 @@ class VideoPipelineBase:
                 ``"auto=0.2"`` (ours with that error budget), a ``video.cache.StepCacheConfig``, or a baseline for
                 comparison: ``"fbcache[=threshold]"``, ``"magcache[=threshold]"``, ``"taylorseer[=interval]"``,
                 ``"dbcache[=threshold]"`` (needs cache-dit). ``"off"`` does nothing.
-            calibration: for ours, a ``metainfer-gen calibrate`` file (path) or a loaded ``Calibration``; by
-                default a ``step_cache_calibration.json`` beside the model is used when present, else the
+            calibration: for ours, a ``metainfer-gen calibrate`` file (path) or a loaded ``Calibration``. Left
+                out, the named presets (``"auto"``, ``"quality"``, ``"fast"``, ``"auto=0.2"``) use the
+                ``step_cache_calibration.json`` beside the model when present; a ``StepCacheConfig`` uses its own
+                ``calibration`` field and does not look for the file (pass it here to use it). Without either the
                 signal-to-error ratios are fitted online.
         Raises:
             ValueError: a cache is already enabled (call :meth:`disable_step_cache` first), a bad spec, or a
