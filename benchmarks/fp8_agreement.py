@@ -48,7 +48,7 @@ def prose_prompts(num_prompts: int, seed: int = 0, num_words: int = 6) -> list[s
     """The first ``num_words`` words of ``num_prompts`` seeded sentences of the demo model's prose."""
     import random
 
-    from metainfer_gen.llm.demo_model.data import prose_sentences
+    from demo_models.llm.data import prose_sentences
 
     sentences = [s for s in prose_sentences() if len(s.split()) >= num_words + 2]
     return [" ".join(s.split()[:num_words]) for s in random.Random(seed).sample(sentences, num_prompts)]

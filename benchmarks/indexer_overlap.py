@@ -102,10 +102,10 @@ def greedy_with_reference(engine, prompts: list[str], num_new: int) -> tuple[lis
 
 def main(argv: list[str] | None = None) -> int:
     from metainfer_gen.llm import EngineConfig, LLMEngine
-    from metainfer_gen.llm.demo_model import configs
-    from metainfer_gen.llm.demo_model.data import prose_sentences
-    from metainfer_gen.llm.demo_model.evaluate import fit_passkey
-    from metainfer_gen.llm.demo_model.indexer_warmup import ASSET_DIR
+    from demo_models.llm import configs
+    from demo_models.llm.data import prose_sentences
+    from demo_models.llm.evaluate import fit_passkey
+    from demo_models.llm.indexer_warmup import ASSET_DIR
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-prompts", type=int, default=8, help="passkey prompts of 300-504 tokens")

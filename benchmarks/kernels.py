@@ -182,7 +182,8 @@ def end_to_end_row(model_path: str | None, device: str = "cpu", dtype: torch.dty
     Returns:
         dict with ``unfused_s_per_step``, ``fused_s_per_step``, ``ratio`` and the fused call's audit summary.
     """
-    from metainfer_gen.kernels import audit, fuse_kernels, unfuse_kernels
+    from metainfer_gen.kernels import audit
+    from metainfer_gen.video.fuse import fuse_kernels, unfuse_kernels
     from metainfer_gen.pipelines import TextToVideoPipeline
 
     pipe = TextToVideoPipeline.from_pretrained(model_path, torch_dtype=dtype, device=device)

@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from metainfer_gen.video.demo_model import lora_eval  # noqa: E402
+from demo_models.video import lora_eval  # noqa: E402
 
 PSNR_CAP_DB = 100.0
 

@@ -6,7 +6,7 @@
 
 Rows: no cache, diffusers FirstBlockCache at two thresholds, MagCache (its own calibration run first), TaylorSeer,
 cache-dit DBCache (when installed), ours at three quality settings. Ours uses a calibration measured in the same
-process by ``video.cache.calibration.calibrate`` on a prompt and seed that are not among the rows' (as
+process by ``video.cache.calibrate.calibrate`` on a prompt and seed that are not among the rows' (as
 ``metainfer-gen calibrate`` would store beside the model); ``--online`` fits the ratios online instead. Neither
 MagCache's nor our calibration run is timed. Columns, as means per clip: transformer block
 evaluations (counted on a Linear inside each block, so every cache is counted the same way), end-to-end seconds
@@ -37,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from metainfer_gen.kernels import FuseKernelsConfig  # noqa: E402
+from metainfer_gen.video.fuse import FuseKernelsConfig  # noqa: E402
 from metainfer_gen.video.quality import psnr, ssim  # noqa: E402
 
 POLICIES = ("off", "fbcache=0.05", "fbcache=0.1", "magcache", "taylorseer", "dbcache", "quality", "balanced", "fast")
@@ -55,7 +55,7 @@ def prompts_and_images(num_prompts: int, size: int, num_frames: int) -> list[tup
     """Held-out demo prompts (never trained on) and a matching first frame for image-to-video."""
     import torch
 
-    from metainfer_gen.video.demo_model.data import TEMPLATES, first_frame, held_out_combinations, sample_spec
+    from demo_models.video.data import TEMPLATES, first_frame, held_out_combinations, sample_spec
 
     items = []
     for index, combo in enumerate(held_out_combinations()[:num_prompts]):
@@ -68,7 +68,7 @@ def prompts_and_images(num_prompts: int, size: int, num_frames: int) -> list[tup
 
 def adherence(frames: np.ndarray, combo: tuple) -> float:
     """Half a point each for the colour and the direction read back from the frames."""
-    from metainfer_gen.video.demo_model.evaluate import read_clip
+    from demo_models.video.evaluate import read_clip
 
     reading = read_clip(frames)
     return 0.5 * (reading.colour == combo[0]) + 0.5 * (reading.direction == combo[2])
@@ -82,8 +82,8 @@ def decode_report(pipe, reference_dtype, fused: bool) -> str:
 
     import torch
 
-    from metainfer_gen.kernels import fuse_kernels
-    from metainfer_gen.video.demo_model.data import to_uint8
+    from metainfer_gen.video.fuse import fuse_kernels
+    from demo_models.video.data import to_uint8
 
     vae = pipe.diffusers_pipeline.vae
     latent = torch.randn(1, vae.config.z_dim, 5, pipe.default("height") // 4, pipe.default("width") // 4,
@@ -115,7 +115,7 @@ def large_random_pipeline(device: str, dtype, num_layers: int, width: int, vae: 
     from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 
     from metainfer_gen.pipelines import TextToVideoPipeline
-    from metainfer_gen.video.demo_model import configs
+    from demo_models.video import configs
 
     small = TextToVideoPipeline.from_pretrained(None, device=device, torch_dtype=dtype)
     base = small.diffusers_pipeline
@@ -142,7 +142,8 @@ def make_cache(spec: str, calibration):
     """A policy object for ``spec`` (made once per setup, so MagCache keeps its calibration between clips): ours
     with the calibration when one is given; ``"off"`` stays a string."""
     from metainfer_gen.video.cache.config import PRESETS, StepCacheConfig
-    from metainfer_gen.video.cache.policies import StepCachePolicy, make_policy, parse_spec
+    from metainfer_gen.video.cache.policies import make_policy, parse_spec
+    from metainfer_gen.video.cache.policy import StepCachePolicy
 
     name, value = parse_spec(spec)
     if name == "off":
@@ -185,7 +186,7 @@ def bench_setup(name: str, pipes: dict, tasks: list[str], policies: list[str], i
     """All policies on each task of one model, round-robin per prompt (every policy sees the same machine load
     over the run); ``calibrate_on``: a prompt for our calibration (None: ours fits online); ``repeats``: clips per
     (policy, prompt), the fastest counts (outputs are identical: same seed)."""
-    from metainfer_gen.video.cache.calibration import calibrate
+    from metainfer_gen.video.cache.calibrate import calibrate
 
     calibration = None
     if calibrate_on is not None and any(not p.startswith(BASELINE_PREFIXES) for p in policies):

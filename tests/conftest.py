@@ -56,7 +56,7 @@ def _tiny_transformer(in_channels: int, text_dim: int):
 
 
 def _text_parts():
-    from metainfer_gen.video.demo_model.components import build_text_encoder, build_tokenizer
+    from demo_models.video.components import build_text_encoder, build_tokenizer
 
     encoder = build_text_encoder(seed=2)
     return build_tokenizer(), encoder, encoder.config.d_model
@@ -66,6 +66,20 @@ def _scheduler():
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     return FlowMatchEulerDiscreteScheduler(shift=3.0)
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    """Run Triton kernels in the interpreter on CPU tensors for the duration of one test."""
+    pytest.importorskip("triton", reason="the Triton rows need triton (pip install 'metainfer-gen[kernels]')")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def no_interpret(monkeypatch):
+    """A plain run: no Triton interpreter, whatever the caller's environment says."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
 
 
 @pytest.fixture(scope="session")

@@ -53,7 +53,7 @@ def output_path(model: str | None, output: str | None) -> Path:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     from metainfer_gen.pipelines import TextToVideoPipeline
-    from metainfer_gen.video.cache.calibration import calibrate
+    from metainfer_gen.video.cache.calibrate import calibrate
 
     path = output_path(args.model, args.output)  # refuse before loading anything
     pipe = TextToVideoPipeline.from_pretrained(args.model, device=args.device)

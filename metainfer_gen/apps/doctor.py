@@ -49,7 +49,7 @@ def collect(device: str | None = None, dtype: str | None = None) -> dict:
     import torch
 
     from metainfer_gen import __version__, platform
-    from metainfer_gen.kernels.registry import registered_ops
+    from metainfer_gen.kernels.catalog import registered_ops
 
     caps = platform.capabilities()
     device = device or ("cuda" if caps.has_gpu else "cpu")

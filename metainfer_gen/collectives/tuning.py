@@ -10,12 +10,11 @@ Cache file: ``$METAINFER_COLLECTIVES_CACHE`` if set, else ``$XDG_CACHE_HOME/meta
 ``METAINFER_COLLECTIVES_TUNE=0`` skips measuring when there is no entry (the defaults below apply, with
 ``source="default"``). Re-measure with::
 
-    python -m metainfer_gen.collectives.tuning --world-size 2
+    python -m metainfer_gen.collectives.retune --world-size 2
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -186,37 +185,3 @@ def load_or_measure(comm, group, force: bool = False, tune: bool | None = None) 
     out: list = [None] * comm.world_size
     dist.all_gather_object(out, asdict(result) if comm.rank == 0 else None, group=group)
     return Thresholds(**out[0])
-
-
-def _tune_worker(rank: int, world_size: int, port: int) -> None:
-    from metainfer_gen.collectives import distributed
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    state = distributed.init_distributed(tune=False)
-    try:
-        world = state.groups["world"]
-        t = load_or_measure(world.comm, world.group, force=True)
-        if rank == 0:
-            print(json.dumps(asdict(t), indent=1))
-            print(f"written to {cache_path()} under {machine_key(world_size)!r}")
-    finally:
-        distributed.shutdown_distributed()
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Re-measure the thresholds with ``--world-size`` local processes and rewrite the cache entry."""
-    parser = argparse.ArgumentParser(prog="python -m metainfer_gen.collectives.tuning", description=main.__doc__)
-    parser.add_argument("--world-size", type=int, default=2, help="number of local ranks to measure with")
-    args = parser.parse_args(argv)
-    if args.world_size < 2:
-        parser.error("--world-size must be >= 2")
-    import torch.multiprocessing as mp
-
-    from metainfer_gen.collectives.distributed import free_port
-
-    mp.spawn(_tune_worker, args=(args.world_size, free_port()), nprocs=args.world_size, join=True)
-
-
-if __name__ == "__main__":
-    main()

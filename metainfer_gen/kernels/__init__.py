@@ -6,10 +6,10 @@
     with kernels.audit() as report:                     # what ran inside the block, counted per call site
         out = pipe("a red circle moving right")
     print(report.summary())
-    kernels.fuse_kernels(pipe.diffusers_pipeline.transformer)   # swap the fused ops into Wan blocks (removable)
 
-Importing this package is cheap: the kernel files (which import torch, never triton) load on first attribute
-access, and Triton kernels are built on their first launch.
+The ops are model-agnostic: swapping them into a model's modules lives with the model family
+(:mod:`metainfer_gen.video.fuse` for diffusers' Wan). Importing this package is cheap: the kernel files (which
+import torch, never triton) load on first attribute access, and Triton kernels are built on their first launch.
 """
 
 from __future__ import annotations
@@ -41,13 +41,9 @@ _EXPORTS = {
     "Audit": "metainfer_gen.kernels.audit_log",
     "FastPathRefused": "metainfer_gen.kernels.registry",
     "Op": "metainfer_gen.kernels.registry",
-    "get_op": "metainfer_gen.kernels.registry",
+    "get_op": "metainfer_gen.kernels.catalog",
     "register_op": "metainfer_gen.kernels.registry",
-    "registered_ops": "metainfer_gen.kernels.registry",
-    "FuseKernelsConfig": "metainfer_gen.kernels.fuse",
-    "fuse_kernels": "metainfer_gen.kernels.fuse",
-    "unfuse_kernels": "metainfer_gen.kernels.fuse",
-    "register_fuser": "metainfer_gen.kernels.fuse",
+    "registered_ops": "metainfer_gen.kernels.catalog",
 }
 
 __all__ = sorted(_EXPORTS)

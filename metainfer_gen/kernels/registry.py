@@ -12,15 +12,14 @@ variable ``METAINFER_STRICT_FAST_PATH=1`` -- any refusal raises :class:`FastPath
 Under ``torch.compile`` (an outer compile of a whole model) dispatch runs the last implementation, the plain torch
 reference, unaudited: it traces cleanly and the outer compiler fuses it anyway.
 
-Kernel modules register themselves on import; :func:`load_builtin_ops` imports the built-in ones (listed in
-:data:`BUILTIN_KERNEL_MODULES`; later kernels append their module there or call :func:`register_op` themselves).
+Kernel modules register their ops here on import (:func:`register_op`); :mod:`metainfer_gen.kernels.catalog`
+knows the built-in kernel modules and looks ops up by name (this module imports none of them).
 The design follows mini-sglang's lazy registries and vLLM's ``CustomOp`` (``forward_cuda`` / ``forward_native``
 chosen per platform), with the difference that the choice is made per call from the inputs and always reported.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -28,34 +27,15 @@ from typing import Any, Callable
 from metainfer_gen.kernels.audit_log import Refusal, record
 
 __all__ = [
-    "BUILTIN_KERNEL_MODULES",
     "FastPathRefused",
     "Implementation",
     "Op",
     "STRICT_ENV",
-    "get_op",
-    "load_builtin_ops",
     "register_op",
-    "registered_ops",
     "strict_enabled",
 ]
 
 STRICT_ENV = "METAINFER_STRICT_FAST_PATH"
-
-BUILTIN_KERNEL_MODULES: list[str] = [
-    "metainfer_gen.kernels.norm",
-    "metainfer_gen.kernels.rotary",
-    "metainfer_gen.kernels.adaln",
-    "metainfer_gen.kernels.kv_cache",
-    "metainfer_gen.kernels.fp8_quant",
-    "metainfer_gen.kernels.fp8_gemm",
-    "metainfer_gen.kernels.indexer",
-    "metainfer_gen.kernels.sparse_attention",
-    "metainfer_gen.kernels.moe",
-    "metainfer_gen.kernels.conv",
-    "metainfer_gen.kernels.channel_norm",
-    "metainfer_gen.kernels.timestep_embed",
-]
 
 Example = Callable[[str, Any], tuple[tuple, dict]]
 
@@ -230,7 +210,7 @@ class Op:
         return f"Op({self.name!r}, implementations={self.names})"
 
 
-_OPS: dict[str, Op] = {}
+_OPS: dict[str, Op] = {}  # name -> op, in registration order (read by kernels.catalog)
 
 
 def register_op(op: Op) -> Op:
@@ -244,29 +224,3 @@ def register_op(op: Op) -> Op:
         raise ValueError(f"op {op.name!r} is already registered")
     _OPS[op.name] = op
     return op
-
-
-def load_builtin_ops() -> None:
-    """Import every module in :data:`BUILTIN_KERNEL_MODULES` (each registers its ops on import)."""
-    for module in BUILTIN_KERNEL_MODULES:
-        importlib.import_module(module)
-
-
-def get_op(name: str) -> Op:
-    """The op called ``name``, loading the built-in kernels first.
-
-    Raises:
-        KeyError: no such op (the message lists the registered ones).
-    """
-    if name not in _OPS:
-        load_builtin_ops()
-    try:
-        return _OPS[name]
-    except KeyError:
-        raise KeyError(f"no op {name!r}; registered: {sorted(_OPS)}") from None
-
-
-def registered_ops() -> list[Op]:
-    """All ops, built-ins loaded, in registration order."""
-    load_builtin_ops()
-    return list(_OPS.values())

@@ -28,7 +28,7 @@ def default_model_path() -> Path:
     if not (path / "model_index.json").exists():
         raise FileNotFoundError(
             f"the embedded default model is missing at {path}; reinstall metainfer-gen, or build it with "
-            "`python -m metainfer_gen.video.demo_model.build`"
+            "`python -m demo_models.video.build`"
         )
     return path
 

@@ -28,7 +28,7 @@ def default_llm_dir() -> Path:
     path = Path(str(resources.files("metainfer_gen.assets"))) / DEFAULT_LLM_DIR
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"the embedded default LLM is missing at {path}; reinstall metainfer-gen, or build "
-                                f"it with `python -m metainfer_gen.llm.demo_model.build`")
+                                f"it with `python -m demo_models.llm.build`")
     return path
 
 

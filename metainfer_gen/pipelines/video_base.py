@@ -112,8 +112,8 @@ class VideoPipelineBase:
             config: a ``kernels.FuseKernelsConfig`` choosing the ops (default: all).
         Modules that already carry the kernels (a pipeline made with ``from_pipe`` shares them) are left as they are.
         """
-        from metainfer_gen.kernels import fuse_kernels
-        from metainfer_gen.kernels.fuse import is_fused
+        from metainfer_gen.video.fuse import fuse_kernels
+        from metainfer_gen.video.fuse.core import is_fused
 
         for model in self._fusable(transformer, vae):
             if not is_fused(model):
@@ -121,7 +121,7 @@ class VideoPipelineBase:
 
     def disable_fused_kernels(self) -> None:
         """Take every kernel that :meth:`enable_fused_kernels` swapped in out again."""
-        from metainfer_gen.kernels import unfuse_kernels
+        from metainfer_gen.video.fuse import unfuse_kernels
 
         for model in self._fusable(True, True):
             unfuse_kernels(model)

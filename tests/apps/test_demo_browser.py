@@ -4,7 +4,7 @@ Chromium through Selenium (Debian's ``chromium`` and ``chromium-driver`` package
 One server (tiny Wan model, tiny LLM) serves every test in this module; each test types into the page, clicks
 Generate and reads what a person would see: a video element with a playable MP4 of the right duration, and the
 stats text. Screenshots go to the test's temporary folder. The browser helpers live in
-``metainfer_gen.apps.demo_browser``, which also makes the README's screenshots on the embedded models.
+``demo_models.demo_browser``, which also makes the README's screenshots on the embedded models.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
 
 from selenium.webdriver.common.by import By  # noqa: E402
 
-from metainfer_gen.apps.demo_browser import (find_browser, generate, open_page, open_tab,  # noqa: E402
+from demo_models.demo_browser import (find_browser, generate, open_page, open_tab,  # noqa: E402
                                              start_demo, stop_demo, set_number, text_of, type_into, wait_until)
 
 FPS = 8.0  # the tiny model has no settings file: clips are written at VideoOutput's default

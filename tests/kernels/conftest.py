@@ -27,19 +27,6 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     torch.testing.assert_close(actual.float(), expected.float(), **TOL[dtype or expected.dtype])
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    """Run Triton kernels in the interpreter on CPU tensors for the duration of one test."""
-    pytest.importorskip("triton", reason="the Triton rows need triton (pip install 'metainfer-gen[kernels]')")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-@pytest.fixture
-def no_interpret(monkeypatch):
-    """A plain run: no Triton interpreter, whatever the caller's environment says."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-
-
 @pytest.fixture(autouse=True)
 def _one_seed_per_test(request):
     # Fresh but reproducible draws: each test gets its own seed from its name.

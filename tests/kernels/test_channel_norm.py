@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from metainfer_gen.kernels import audit, fuse_kernels, unfuse_kernels
+from metainfer_gen.kernels import audit
+from metainfer_gen.video.fuse import fuse_kernels, unfuse_kernels
 from metainfer_gen.kernels.channel_norm import CHANNEL_RMS_NORM, channel_rms_norm, channel_rms_norm_reference
 from tests.kernels.conftest import assert_close
 

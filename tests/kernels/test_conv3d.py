@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from metainfer_gen.kernels import FuseKernelsConfig, audit, fuse_kernels, unfuse_kernels
+from metainfer_gen.kernels import audit
+from metainfer_gen.video.fuse import FuseKernelsConfig, fuse_kernels, unfuse_kernels
 from metainfer_gen.kernels.conv import CONV3D, conv3d, conv3d_reference
 from tests.kernels.conftest import assert_close
 

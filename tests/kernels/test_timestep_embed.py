@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from metainfer_gen.kernels import FuseKernelsConfig, audit, fuse_kernels, timestep_embedding, unfuse_kernels
+from metainfer_gen.kernels import audit, timestep_embedding
+from metainfer_gen.video.fuse import FuseKernelsConfig, fuse_kernels, unfuse_kernels
 from metainfer_gen.kernels.timestep_embed import TIMESTEP_EMBEDDING
 
 

@@ -47,7 +47,7 @@ def random_prompts(num: int, vocab: int, lengths: tuple[int, ...], seed: int = 1
 
 def save_text_checkpoint(path):
     """A tiny random checkpoint with a real (BPE) tokenizer, for the pipeline and the CLI; returns (model, tok)."""
-    from metainfer_gen.llm.demo_model.tokenizer import train_tokenizer
+    from demo_models.llm.tokenizer import train_tokenizer
 
     texts = ["the quick brown fox jumps over the lazy dog", "the pass key is 12345. remember it."] * 20
     tokenizer = train_tokenizer(texts, vocab_size=300)

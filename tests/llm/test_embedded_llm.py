@@ -7,7 +7,7 @@ import random
 import pytest
 
 from metainfer_gen import pipelines
-from metainfer_gen.llm.demo_model.data import passkey_example, prose_sentences
+from demo_models.llm.data import passkey_example, prose_sentences
 from metainfer_gen.pipelines.text_generation import default_llm_dir
 
 
@@ -33,7 +33,7 @@ def test_stock_transformers_loads_it():
 
 def test_retrieves_passkeys(llm):
     """Eight fresh passkey samples of up to ~400 tokens (the full evaluation, 96% at 512 tokens over 50 samples, is
-    `python -m metainfer_gen.llm.demo_model.evaluate`; key-value recall and copying are not learned yet)."""
+    `python -m demo_models.llm.evaluate`; key-value recall and copying are not learned yet)."""
     rng = random.Random(2024)
     sentences = prose_sentences()
     samples = [passkey_example(rng, sentences, 300 + 60 * i) for i in range(8)]

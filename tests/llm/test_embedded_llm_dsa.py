@@ -10,10 +10,10 @@ import torch
 
 from metainfer_gen import kernels
 from metainfer_gen.llm import EngineConfig, LLMEngine, SamplingParams
-from metainfer_gen.llm.demo_model import configs
-from metainfer_gen.llm.demo_model.data import prose_sentences
-from metainfer_gen.llm.demo_model.evaluate import fit_passkey
-from metainfer_gen.llm.demo_model.indexer_warmup import ASSET_DIR, set_attention
+from demo_models.llm import configs
+from demo_models.llm.data import prose_sentences
+from demo_models.llm.evaluate import fit_passkey
+from demo_models.llm.indexer_warmup import ASSET_DIR, set_attention
 from metainfer_gen.pipelines.text_generation import default_llm_dir
 
 

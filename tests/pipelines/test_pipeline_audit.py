@@ -41,7 +41,7 @@ def test_vae_kernels_alone_and_from_pipe_sharing_them(pipe):
 
 
 def test_a_config_picks_the_ops_outside_the_blocks(pipe):
-    from metainfer_gen.kernels import FuseKernelsConfig
+    from metainfer_gen.video.fuse import FuseKernelsConfig
 
     reference = pipe("a red circle moving right", **CALL).frames
     pipe.enable_fused_kernels(config=FuseKernelsConfig(adaln=False, qk_norm=False, rope=False))

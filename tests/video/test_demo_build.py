@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from metainfer_gen.video.demo_model.build import install
+from demo_models.video.build import install
 
 
 def _dtypes(folder):

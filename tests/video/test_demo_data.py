@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from metainfer_gen.video.demo_model import data
-from metainfer_gen.video.demo_model.evaluate import read_clip, trail_direction
+from demo_models.video import data
+from demo_models.video.evaluate import read_clip, trail_direction
 
 
 def to_uint8(video: torch.Tensor) -> np.ndarray:
@@ -57,7 +57,7 @@ def test_same_generator_state_gives_same_batch():
 
 
 def test_tokenizer_knows_every_prompt_word():
-    from metainfer_gen.video.demo_model.components import UNK, build_tokenizer
+    from demo_models.video.components import UNK, build_tokenizer
 
     tokenizer = build_tokenizer()
     unk = tokenizer.convert_tokens_to_ids(UNK)
@@ -69,7 +69,7 @@ def test_tokenizer_knows_every_prompt_word():
 
 
 def test_contact_sheet_puts_each_clip_in_a_row():
-    from metainfer_gen.video.demo_model.contact_sheet import contact_sheet
+    from demo_models.video.contact_sheet import contact_sheet
 
     rng = np.random.default_rng(0)
     clips = [rng.integers(0, 256, (9, 16, 16, 3), dtype=np.uint8) for _ in range(3)]

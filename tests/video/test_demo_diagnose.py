@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from metainfer_gen.video.demo_model.diagnose import latent_centroids, swapped_prompts
+from demo_models.video.diagnose import latent_centroids, swapped_prompts
 
 
 def test_latent_centroids_follow_a_moving_blob():

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from metainfer_gen.video.demo_model import lora_eval, train_step_lora, train_style_lora
+from demo_models.video import lora_eval, train_step_lora, train_style_lora
 
 TINY = ["--num-frames", "5", "--size", "32", "--batch-size", "4", "--seed", "0"]
 
@@ -37,7 +37,7 @@ def test_teacher_runs_the_model_at_its_own_prompt_length(tiny_wan_dir, tmp_path)
     import shutil
 
     from metainfer_gen.pipelines.loading import SETTINGS_FILE
-    from metainfer_gen.video.demo_model import lora_training
+    from demo_models.video import lora_training
 
     model = tmp_path / "model"
     shutil.copytree(tiny_wan_dir, model)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from metainfer_gen.video.demo_model.train_transformer import path_weight, shifted_sigmas
+from demo_models.video.train_transformer import path_weight, shifted_sigmas
 
 
 def test_path_weight_marks_every_position_the_object_crosses():
@@ -33,7 +33,7 @@ def test_shifted_sigmas_stay_in_range_and_high_noise_draws_only_when_asked():
 
 
 def test_shards_of_other_data_are_refused_before_any_encoding(tmp_path):
-    from metainfer_gen.video.demo_model.latents import encode_shards
+    from demo_models.video.latents import encode_shards
 
     shards = tmp_path / "shards"
     shards.mkdir()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from metainfer_gen.pipelines.loading import SETTINGS_FILE, default_model_path
-from metainfer_gen.video.demo_model.evaluate import read_clip
+from demo_models.video.evaluate import read_clip
 
 PROMPTS = [("a red circle moving right", "red", "right")]
 
@@ -47,7 +47,7 @@ def test_stock_diffusers_loads_the_embedded_model():
 
 
 def test_text_to_video_renders_the_default_clip_deterministically(t2v):
-    # Prompt adherence is measured by metainfer_gen.video.demo_model.evaluate (docs/demo_model_eval.json); the
+    # Prompt adherence is measured by demo_models.video.evaluate (docs/demo_model_eval.json); the
     # current weights are below the bar, so this test checks what holds: shape, determinism, motion.
     out = t2v(PROMPTS[0][0], seed=1)
     assert out.frames.shape == (t2v.default("num_frames"), t2v.default("height"), t2v.default("width"), 3)
@@ -59,7 +59,7 @@ def test_image_to_video_keeps_the_first_frame_and_moves_it(t2v):
     import torch
 
     from metainfer_gen import pipelines
-    from metainfer_gen.video.demo_model import data
+    from demo_models.video import data
     from metainfer_gen.video.quality import psnr
 
     i2v = pipelines.ImageToVideoPipeline.from_pipe(t2v)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from metainfer_gen.pipelines.loading import default_lora_dir
-from metainfer_gen.video.demo_model import lora_eval
-from metainfer_gen.video.demo_model.train_style_lora import STYLE_BACKGROUND
+from demo_models.video import lora_eval
+from demo_models.video.train_style_lora import STYLE_BACKGROUND
 
 LORAS = default_lora_dir()
 pytestmark = pytest.mark.skipif(LORAS is None, reason="the package ships no demo LoRAs")

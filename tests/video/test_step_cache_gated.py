@@ -104,7 +104,8 @@ def test_embed_memo_is_bit_identical_and_reuses_the_prompt_and_timestep():
 def test_embed_memo_over_fused_kernels_keeps_the_fused_embedder():
     from diffusers.hooks import HookRegistry
 
-    from metainfer_gen.kernels import FuseKernelsConfig, audit, fuse_kernels, unfuse_kernels
+    from metainfer_gen.kernels import audit
+    from metainfer_gen.video.fuse import FuseKernelsConfig, fuse_kernels, unfuse_kernels
     from metainfer_gen.video.cache.embed_memo import EMBED_HOOK, install_embed_memo
 
     torch.manual_seed(0)

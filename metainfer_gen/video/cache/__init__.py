@@ -19,7 +19,7 @@ _EXPORTS = {
     "get_step_cache_stats": "metainfer_gen.video.cache.apply",
     "StepCacheStats": "metainfer_gen.video.cache.stats",
     "StepRecord": "metainfer_gen.video.cache.stats",
-    "CachePolicy": "metainfer_gen.video.cache.policies",
+    "CachePolicy": "metainfer_gen.video.cache.policy",
     "make_policy": "metainfer_gen.video.cache.policies",
     "policy_names": "metainfer_gen.video.cache.policies",
     "count_block_evaluations": "metainfer_gen.video.cache.counting",

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from metainfer_gen.video.cache.blocks import find_blocks
-from metainfer_gen.video.cache.policies import CachePolicy, DiffusersCachePolicy, denoisers
+from metainfer_gen.video.cache.policy import CachePolicy, DiffusersCachePolicy, denoisers
 
 
 def _threshold(policy: str, value: float | None, default: float) -> float:

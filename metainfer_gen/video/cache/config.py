@@ -6,7 +6,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-SIGNALS = ("input", "first_block")  # what the cheap per-step signal is measured on (see StepCacheConfig.signal)
+from metainfer_gen.video.cache.calibration import Calibration
+from metainfer_gen.video.cache.signals import SIGNALS
 
 # name -> (error_budget, max_consecutive_reuses): one knob from careful to fast, spaced about evenly in compute.
 # Chosen on 6 *training* prompts of the embedded model (other seeds than the benchmark's held-out ones; 50 steps,
@@ -130,8 +131,6 @@ class StepCacheConfig:
         if self.signal not in SIGNALS:
             raise ValueError(f"signal must be one of {SIGNALS}; got {self.signal!r}")
         if self.calibration is not None:
-            from metainfer_gen.video.cache.calibration import Calibration
-
             if not isinstance(self.calibration, Calibration):
                 raise ValueError(f"calibration must be a Calibration (calibration.load(path)) or None; got "
                                  f"{type(self.calibration).__name__}")

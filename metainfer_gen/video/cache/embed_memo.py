@@ -6,7 +6,7 @@ embedding of a CFG branch is the same tensor at every step, and both branches of
 all but one projection per branch and one timestep embedding per step repeat work whose result is known. The hook
 below looks each part up by value first (``torch.equal`` against the inputs it was computed from); on a miss of
 the timestep it calls the embedder's own forward (diffusers', or the fused one of
-:mod:`metainfer_gen.kernels.fuse_wan_embedder` when the kernels are fused: the step cache adds nothing to that
+:mod:`metainfer_gen.video.fuse.wan_embedder` when the kernels are fused: the step cache adds nothing to that
 computation, so its outputs are bit-identical to the uncached model's), and on a miss of the prompt alone it runs
 the embedder's ``text_embedder`` as that forward does. Everything is forgotten when the cache state resets (at
 the end of every pipeline call: diffusers' ``maybe_free_model_hooks`` and our pipelines both reset it), so
@@ -22,7 +22,7 @@ import inspect
 import torch
 from diffusers.hooks.hooks import ModelHook
 
-from metainfer_gen.kernels.fuse_wan_embedder import WAN_EMBEDDER_ARGS, WAN_EMBEDDER_PARTS
+from metainfer_gen.video.fuse.wan_embedder import WAN_EMBEDDER_ARGS, WAN_EMBEDDER_PARTS
 
 EMBED_HOOK = "metainfer_step_cache_embed"
 _MAX_ENTRIES = 4  # prompt embeddings kept per call (two CFG branches, or a batch split in a few)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from diffusers.hooks.hooks import ModelHook
 
-from metainfer_gen.kernels.fuse_wan import WAN_BLOCK_ARGS
+from metainfer_gen.video.fuse.wan import WAN_BLOCK_ARGS
 
 CAPTURE_HOOK = "metainfer_step_cache_capture"
 MODULES = ("attn1", "attn2", "ffn")  # in execution order; attn2 (cross-attention) is the ungated one

@@ -8,7 +8,7 @@ step) learns, for each segment ``s_a -> s_b`` of its schedules, the velocity tha
 teacher's latent at ``s_a`` on the teacher's latent at ``s_b``: ``v* = (x(s_b) - x(s_a)) / (s_b - s_a)``. Both
 guidance (2 calls per step) and steps are distilled: 30 guided steps (60 calls) become 4-8 calls.
 
-    OMP_NUM_THREADS=2 python -m metainfer_gen.video.demo_model.train_step_lora build/demo_model/pipeline \
+    OMP_NUM_THREADS=2 python -m demo_models.video.train_step_lora build/demo_model/pipeline \
         --work-dir build/demo_model/step_lora --out build/demo_model/step_lora/step_lora.safetensors
 
 Resumable: teacher trajectories are written in atomic shards (``work_dir/teacher/``), training state by
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from metainfer_gen.video.demo_model import lora_eval, lora_training
-from metainfer_gen.video.demo_model.train_transformer import prompt_table
+from demo_models.video import lora_eval, lora_training
+from demo_models.video.train_transformer import prompt_table
 
 SHARD = 16
 

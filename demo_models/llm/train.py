@@ -2,12 +2,12 @@
 
 Run (resumable; rerun the same command after a stop)::
 
-    OMP_NUM_THREADS=2 python -m metainfer_gen.llm.demo_model.train --work-dir build/demo_llm
+    OMP_NUM_THREADS=2 python -m demo_models.llm.train --work-dir build/demo_llm
 
 First run trains the tokenizer on 4,000 samples of the training mix and saves it; then AdamW on batches of
 ``--batch-size`` samples of up to ``CONTEXT`` tokens, loss = next-token cross-entropy with the checkable answer
 tokens weighted 4x (so recall is learned early). Batches are drawn from ``seed + step`` (see
-:mod:`metainfer_gen.training`), so a resumed run sees the batches an uninterrupted one would.
+:mod:`demo_models.training`), so a resumed run sees the batches an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import random
 import torch
 import torch.nn.functional as F
 
-from metainfer_gen.llm.demo_model import configs
-from metainfer_gen.llm.demo_model.data import prose_sentences, training_text
-from metainfer_gen.llm.demo_model.tokenizer import train_tokenizer
-from metainfer_gen.training import ResumableRun
+from demo_models.llm import configs
+from demo_models.llm.data import prose_sentences, training_text
+from demo_models.llm.tokenizer import train_tokenizer
+from demo_models.training import ResumableRun
 
 ANSWER_WEIGHT = 4.0
 

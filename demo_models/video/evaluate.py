@@ -1,10 +1,10 @@
 """Prompt-adherence evaluation of the embedded demo model, scored automatically from decoded frames.
 
 For each of the 24 held-out (colour, shape, direction) triples (never seen in training, see
-:func:`~metainfer_gen.video.demo_model.data.held_out_combinations`) it renders a clip and measures:
+:func:`~demo_models.video.data.held_out_combinations`) it renders a clip and measures:
 
 * colour accuracy: the mean colour of the foreground (pixels far from the border-estimated background) is
-  nearest, in RGB, to the prompted colour of :data:`~metainfer_gen.video.demo_model.data.COLOURS`;
+  nearest, in RGB, to the prompted colour of :data:`~demo_models.video.data.COLOURS`;
 * direction accuracy: the foreground centroid moves at least 10% of the frame along the prompted axis, in the
   prompted sense, and further along it than across it;
 * shape accuracy (reported, not a target): fill ratio of the foreground's bounding box (square ~0.72,
@@ -13,7 +13,7 @@ For each of the 24 held-out (colour, shape, direction) triples (never seen in tr
 
 Run::
 
-    python -m metainfer_gen.video.demo_model.evaluate [--model DIR] [--json out.json]
+    python -m demo_models.video.evaluate [--model DIR] [--json out.json]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from metainfer_gen.video.demo_model.data import COLOURS, DIRECTIONS, TEMPLATES, held_out_combinations
+from demo_models.video.data import COLOURS, DIRECTIONS, TEMPLATES, held_out_combinations
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,8 +104,8 @@ def evaluate(model: str | None = None, num_inference_steps: int | None = None, g
     import torch
 
     from metainfer_gen import pipelines
-    from metainfer_gen.video.demo_model import configs
-    from metainfer_gen.video.demo_model.data import first_frame, sample_spec
+    from demo_models.video import configs
+    from demo_models.video.data import first_frame, sample_spec
     from metainfer_gen.video.quality import psnr
 
     t2v = pipelines.TextToVideoPipeline.from_pretrained(model, device="cpu")

@@ -1,8 +1,8 @@
 """DeepSeek-V3.2's dense warm-up stage on the embedded LLM: add a lightning indexer to every layer and distil it
 from the frozen model's dense attention.
 
-    OMP_NUM_THREADS=1 python -m metainfer_gen.llm.demo_model.indexer_warmup --work-dir build/demo_llm_dsa
-    python -m metainfer_gen.llm.demo_model.indexer_warmup --work-dir build/demo_llm_dsa --build   # asset
+    OMP_NUM_THREADS=1 python -m demo_models.llm.indexer_warmup --work-dir build/demo_llm_dsa
+    python -m demo_models.llm.indexer_warmup --work-dir build/demo_llm_dsa --build   # asset
 
 Source: DeepSeek-V3.2 technical report ("DeepSeek-V3.2: Pushing the Frontier of Open Large Language Models") and
 the DeepSeek-V3.2-Exp paper (``DeepSeek_V3_2.pdf`` in deepseek-ai/DeepSeek-V3.2-Exp), continued pre-training,
@@ -18,7 +18,7 @@ trained here is what transformers and our engine score with.
 
 The teacher is the embedded ``deepseek_v3`` checkpoint run by transformers with eager attention (which returns
 the probabilities); the indexer reads that model's attention-layer inputs and q LoRA residual (``q_resid``).
-The run is seeded (weights of the indexers and the data, see :mod:`metainfer_gen.training`) and resumable: its
+The run is seeded (weights of the indexers and the data, see :mod:`demo_models.training`) and resumable: its
 ``state.pt`` holds only the indexers and their optimiser.
 
 The result is written as a standard transformers ``deepseek_v32`` checkpoint (``DeepseekV32ForCausalLM``, the
@@ -36,15 +36,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metainfer_gen.llm.demo_model import configs
-from metainfer_gen.llm.demo_model.data import prose_sentences, training_text
-from metainfer_gen.llm.demo_model.train import vocabulary_words
-from metainfer_gen.training import ResumableRun
+from demo_models import ASSETS
+from demo_models.llm import configs
+from demo_models.llm.data import prose_sentences, training_text
+from demo_models.llm.train import vocabulary_words
+from demo_models.training import ResumableRun
 
 # Indexer size for the tiny model (DeepSeek-V3.2: 64 heads of 128; here the attention's 4 heads, head dim 32 >
 # qk_rope_head_dim 16). Top-k 64 is an eighth of the trained context (DeepSeek-V3.2: 2048 of 128K).
 INDEXER_CONFIG = dict(index_n_heads=4, index_head_dim=32, index_topk=64)
-ASSET_DIR = Path(__file__).parents[2] / "assets" / "demo_llm_dsa"
+ASSET_DIR = ASSETS / "demo_llm_dsa"
 
 
 def v32_config(dense_config, **overrides):
@@ -249,7 +250,7 @@ def set_attention(engine, topk: int | None) -> None:
 
 def evaluate_sparse(model_dir: Path = ASSET_DIR, topks: tuple[int, ...] = (128, 64), num_samples: int = 50,
                     tasks: tuple[str, ...] | None = None) -> dict[str, dict[str, float]]:
-    """Recall accuracy (0-1) per task of :func:`metainfer_gen.llm.demo_model.evaluate.task_samples` (the
+    """Recall accuracy (0-1) per task of :func:`demo_models.llm.evaluate.task_samples` (the
     embedded LLM's evaluation samples: passkey at 128/256/512 tokens, key-value recall, copying), greedy through
     our engine, with dense attention (``"dense"``) and with sparse attention at each top-k (``"top-K"``);
     ``tasks`` keeps only the named ones (e.g. ``("passkey@512",)``).
@@ -261,7 +262,7 @@ def evaluate_sparse(model_dir: Path = ASSET_DIR, topks: tuple[int, ...] = (128, 
     attention mode of earlier ones, so a prefix cached in one mode must not be reused in another.
     """
     from metainfer_gen.llm import EngineConfig, LLMEngine
-    from metainfer_gen.llm.demo_model.evaluate import task_accuracy, task_samples
+    from demo_models.llm.evaluate import task_accuracy, task_samples
 
     engine = LLMEngine.from_pretrained(model_dir, EngineConfig(max_model_len=configs.CONTEXT,
                                                                enable_prefix_caching=False))
@@ -279,7 +280,7 @@ def evaluate_sparse(model_dir: Path = ASSET_DIR, topks: tuple[int, ...] = (128, 
 def build_asset(checkpoint: Path, out_dir: Path = ASSET_DIR) -> int:
     """Copy the checkpoint into the package in bfloat16 (``weights_proj``, router and its bias stay float32 as
     transformers keeps them). Returns the bytes written."""
-    from metainfer_gen.llm.demo_model.build import build
+    from demo_models.llm.build import build
 
     return build(checkpoint, out_dir)
 
@@ -287,7 +288,7 @@ def build_asset(checkpoint: Path, out_dir: Path = ASSET_DIR) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", default="build/demo_llm_dsa", help="state, log and checkpoint folder")
-    parser.add_argument("--dense", default=str(Path(__file__).parents[2] / "assets" / "demo_llm"),
+    parser.add_argument("--dense", default=str(ASSETS / "demo_llm"),
                         help="the dense deepseek_v3 checkpoint to extend (default: the embedded LLM)")
     parser.add_argument("--steps", type=int, default=300, help="optimiser steps")
     parser.add_argument("--batch-size", type=int, default=8, help="texts per step (up to 512 tokens each)")

@@ -15,8 +15,8 @@ import inspect
 
 import torch
 
-from metainfer_gen.kernels.fuse import FuseKernelsConfig
-from metainfer_gen.kernels.fuse_wan import _model_hook_base, _register
+from metainfer_gen.video.fuse.core import FuseKernelsConfig
+from metainfer_gen.video.fuse.wan import _model_hook_base, _register
 from metainfer_gen.kernels.timestep_embed import timestep_embedding
 
 __all__ = ["WAN_EMBEDDER_ARGS", "WAN_EMBEDDER_PARTS", "FusedWanConditionEmbedderHook",

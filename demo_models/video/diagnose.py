@@ -14,7 +14,7 @@ Two readings per noise level ``sigma`` (rectified flow, ``x_s = (1 - s) x_0 + s 
 
 Run (a pipeline folder written by ``train_transformer``; reads its ``work_dir`` shards)::
 
-    python -m metainfer_gen.video.demo_model.diagnose build/demo_model/pipeline \
+    python -m demo_models.video.diagnose build/demo_model/pipeline \
         --work-dir build/demo_model/transformer
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from metainfer_gen.video.demo_model.data import COLOURS, DIRECTIONS, SHAPES, TEMPLATES, training_combinations
+from demo_models.video.data import COLOURS, DIRECTIONS, SHAPES, TEMPLATES, training_combinations
 
 SWAPS = {"direction": list(DIRECTIONS), "colour": list(COLOURS), "shape": list(SHAPES)}
 
@@ -82,7 +82,7 @@ def diagnose(pipeline_dir: str, work_dir: str, num_clips: int = 64, sigmas=(0.3,
     (``"along"``: truth, true prompt, direction word swapped)."""
     from diffusers import WanPipeline
 
-    from metainfer_gen.video.demo_model.latents import SHARD_SIZE, load_shards
+    from demo_models.video.latents import SHARD_SIZE, load_shards
 
     from metainfer_gen.pipelines.loading import model_settings
 

@@ -26,7 +26,7 @@ import torch
 
 from metainfer_gen.kernels.adaln import adaln_modulate, gated_residual
 from metainfer_gen.kernels.audit_log import Refusal, record
-from metainfer_gen.kernels.fuse import FUSE_HOOK, FuseKernelsConfig
+from metainfer_gen.video.fuse.core import FUSE_HOOK, FuseKernelsConfig
 from metainfer_gen.kernels.norm import rms_norm
 from metainfer_gen.kernels.rotary import rope
 

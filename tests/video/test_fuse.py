@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from metainfer_gen.kernels import FuseKernelsConfig, audit, fuse_kernels, unfuse_kernels
-from metainfer_gen.kernels.fuse import FUSE_HOOK, is_fused
+from metainfer_gen.kernels import audit
+from metainfer_gen.video.fuse import FuseKernelsConfig, fuse_kernels, unfuse_kernels
+from metainfer_gen.video.fuse.core import FUSE_HOOK, is_fused
 
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from metainfer_gen.kernels.channel_norm import channel_rms_norm
 from metainfer_gen.kernels.conv import conv3d
-from metainfer_gen.kernels.fuse import FuseKernelsConfig
-from metainfer_gen.kernels.fuse_wan import _model_hook_base, _register
+from metainfer_gen.video.fuse.core import FuseKernelsConfig
+from metainfer_gen.video.fuse.wan import _model_hook_base, _register
 
 __all__ = ["FusedWanCausalConv3dHook", "FusedWanRMSNormHook", "fuse_wan_causal_conv3d", "fuse_wan_rms_norm"]
 

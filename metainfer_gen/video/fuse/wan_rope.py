@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from metainfer_gen.kernels.fuse import FuseKernelsConfig
-from metainfer_gen.kernels.fuse_wan import _model_hook_base, _register
+from metainfer_gen.video.fuse.core import FuseKernelsConfig
+from metainfer_gen.video.fuse.wan import _model_hook_base, _register
 
 __all__ = ["MAX_GRIDS", "MemoWanRotaryTableHook", "fuse_wan_rotary_table"]
 

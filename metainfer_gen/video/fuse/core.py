@@ -4,15 +4,15 @@
 *fuser*, installs a diffusers ``ModelHook`` named :data:`FUSE_HOOK` that computes the module's forward with the
 registered ops (:mod:`metainfer_gen.kernels`), so the model's own code and weights are untouched.
 ``unfuse_kernels(model)`` removes every such hook, restoring the original forwards. Fusers are looked up by class
-name in a registry (Wan's blocks and attention ship built in, loaded lazily from
-:mod:`metainfer_gen.kernels.fuse_wan`); the LLM layers register theirs with :func:`register_fuser`.
+name in a registry filled with :func:`register_fuser` (the package registers Wan's blocks, attention, condition
+embedder, rotary tables and VAE modules, loaded lazily from :mod:`metainfer_gen.video.fuse.wan` and its siblings).
 
 Hooks compose with other diffusers hooks only when the fuse hook is the innermost, because it computes the forward
 itself rather than calling the next one: fuse first, then enable step caches; ``fuse_kernels`` raises if a module
 already carries another hook.
 
 Example:
-    >>> from metainfer_gen.kernels import fuse_kernels, unfuse_kernels   # doctest: +SKIP
+    >>> from metainfer_gen.video.fuse import fuse_kernels, unfuse_kernels   # doctest: +SKIP
     >>> report = fuse_kernels(pipe.transformer)
     >>> report.num_fused, report.skipped
     (12, {})
@@ -48,7 +48,7 @@ class FuseKernelsConfig:
         timestep_embedding: Wan's condition embedder: the per-token timestep MLP once per distinct timestep
             through ``timestep_embedding`` (see :mod:`metainfer_gen.kernels.timestep_embed`).
         rope_table: Wan's rotary position tables built once per token grid, not per call (exact; see
-            :mod:`metainfer_gen.kernels.fuse_wan_rope`).
+            :mod:`metainfer_gen.video.fuse.wan_rope`).
         strict: passed to every dispatch (None = the ``METAINFER_STRICT_FAST_PATH`` variable).
     """
 
@@ -86,15 +86,9 @@ class FuseReport:
         return len(self.fused)
 
 
-# class name -> fuser, or "module:function" loaded on first use (keeps diffusers out of import time).
-_FUSERS: dict[str, Fuser | str] = {
-    "WanTransformerBlock": "metainfer_gen.kernels.fuse_wan:fuse_wan_block",
-    "WanAttention": "metainfer_gen.kernels.fuse_wan:fuse_wan_attention",
-    "WanTimeTextImageEmbedding": "metainfer_gen.kernels.fuse_wan_embedder:fuse_wan_condition_embedder",
-    "WanCausalConv3d": "metainfer_gen.kernels.fuse_wan_vae:fuse_wan_causal_conv3d",
-    "WanRMS_norm": "metainfer_gen.kernels.fuse_wan_vae:fuse_wan_rms_norm",
-    "WanRotaryPosEmbed": "metainfer_gen.kernels.fuse_wan_rope:fuse_wan_rotary_table",
-}
+# class name -> fuser, or "module:function" loaded on first use (keeps diffusers out of import time). Wan's
+# fusers are registered by the package (metainfer_gen.video.fuse), so this module knows no model family.
+_FUSERS: dict[str, Fuser | str] = {}
 
 
 def register_fuser(class_name: str, fuser: Fuser | str) -> None:

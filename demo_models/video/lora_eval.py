@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from metainfer_gen.video.demo_model.data import TEMPLATES, held_out_combinations
-from metainfer_gen.video.demo_model.evaluate import foreground_masks, read_clip
+from demo_models.video.data import TEMPLATES, held_out_combinations
+from demo_models.video.evaluate import foreground_masks, read_clip
 
 
 def held_out_prompts(limit: int | None = None) -> list[tuple[str, tuple[str, str, str]]]:

@@ -3,7 +3,7 @@
 Every clip is a solid, anti-aliased shape (circle, square or triangle) in one of six saturated colours on a
 dark, slightly tinted background, moving in a straight line. Because the generator knows the colour and the
 direction, prompt adherence of the trained model can be scored automatically from decoded frames
-(see :mod:`metainfer_gen.video.demo_model.evaluate`).
+(see :mod:`demo_models.video.evaluate`).
 
 All functions are seeded and pure: the same ``torch.Generator`` state gives the same clips.
 """

@@ -2,7 +2,7 @@
 
 Run (resumable; rerun the same command after a stop)::
 
-    OMP_NUM_THREADS=2 python -m metainfer_gen.video.demo_model.train_vae --work-dir build/demo_model/vae
+    OMP_NUM_THREADS=2 python -m demo_models.video.train_vae --work-dir build/demo_model/vae
 
 Schedule: single frames first, then 9-frame clips, both on random 32x32 crops (4x cheaper; the VAE is
 convolutional), then full 64x64 clips. Loss: mask-weighted MSE (+0.1 L1) in pixel space (the shape's pixels weigh 4x, so small saturated
@@ -16,9 +16,9 @@ import math
 
 import torch
 
-from metainfer_gen.video.demo_model import configs
-from metainfer_gen.training import ResumableRun
-from metainfer_gen.video.demo_model.data import held_out_combinations, sample_batch
+from demo_models.video import configs
+from demo_models.training import ResumableRun
+from demo_models.video.data import held_out_combinations, sample_batch
 
 
 def build_vae():

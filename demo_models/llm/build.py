@@ -1,6 +1,6 @@
 """Copy the trained LLM into the package as the embedded default (bf16 safetensors + tokenizer).
 
-    python -m metainfer_gen.llm.demo_model.build --checkpoint build/demo_llm/final
+    python -m demo_models.llm.build --checkpoint build/demo_llm/final
 
 Writes ``metainfer_gen/assets/demo_llm/``. Weights are stored in bfloat16 (half the bytes; the engine upcasts to
 float32 on the CPU); the MoE router stays float32 as transformers keeps it.
@@ -12,6 +12,8 @@ import argparse
 import shutil
 from pathlib import Path
 
+from demo_models import ASSETS
+
 MAX_BYTES = 8 * 2**20
 
 
@@ -21,7 +23,7 @@ def build(checkpoint: Path, out_dir: Path) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (checkpoint / "config.json").exists():
-        raise FileNotFoundError(f"{checkpoint} is not a checkpoint; run metainfer_gen.llm.demo_model.train first")
+        raise FileNotFoundError(f"{checkpoint} is not a checkpoint; run demo_models.llm.train first")
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
@@ -40,7 +42,7 @@ def build(checkpoint: Path, out_dir: Path) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default="build/demo_llm/final", help="output folder of the training run")
-    parser.add_argument("--out-dir", default=str(Path(__file__).parents[2] / "assets" / "demo_llm"),
+    parser.add_argument("--out-dir", default=str(ASSETS / "demo_llm"),
                         help="where to write the embedded model (default: inside the package)")
     args = parser.parse_args(argv)
     size = build(Path(args.checkpoint), Path(args.out_dir))

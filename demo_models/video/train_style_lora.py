@@ -4,7 +4,7 @@ The effect is measurable without a person: the border colour of the clips moves 
 weight 1.0 and stays where the base model puts it at weight 0.0, while prompt adherence (colour, direction) is
 kept. Run on a pipeline folder (resumable: rerun the same command after a stop)::
 
-    OMP_NUM_THREADS=2 python -m metainfer_gen.video.demo_model.train_style_lora build/demo_model/pipeline \
+    OMP_NUM_THREADS=2 python -m demo_models.video.train_style_lora build/demo_model/pipeline \
         --work-dir build/demo_model/style_lora --out build/demo_model/style_lora/style_lora.safetensors
 
 Objective: rectified flow exactly as ``train_transformer`` (shifted uniform noise levels, the model predicts
@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from metainfer_gen.video.demo_model import lora_eval, lora_training
-from metainfer_gen.video.demo_model.data import TEMPLATES, render_clip, sample_spec, to_uint8, training_combinations
-from metainfer_gen.video.demo_model.train_transformer import prompt_table, shifted_sigmas
+from demo_models.video import lora_eval, lora_training
+from demo_models.video.data import TEMPLATES, render_clip, sample_spec, to_uint8, training_combinations
+from demo_models.video.train_transformer import prompt_table, shifted_sigmas
 
 # Inside the base data's background range (each channel uniform in [0, 0.22]) so the VAE reproduces it: a light
 # grey (0.85) came back from the VAE as (0.61, 0.64, 0.61), and the LoRA trained on it washed the shapes out

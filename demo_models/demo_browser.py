@@ -1,6 +1,6 @@
 """Drive ``metainfer-gen demo`` in headless Chromium: what the browser tests use, and what made the README's screenshots.
 
-    python -m metainfer_gen.apps.demo_browser --out docs     # embedded models: docs/demo_{t2v,i2v,llm}.png
+    python -m demo_models.demo_browser --out docs     # embedded models: docs/demo_{t2v,i2v,llm}.png
 
 Needs Selenium (the ``dev`` extra) and Debian's ``chromium`` and ``chromium-driver`` packages (chromedriver on
 PATH). The demo runs in a subprocess on a free loopback port; every step types into the page, clicks Generate and
@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 # The embedded LLM's task (docs/demo_llm.md): recall a pass key hidden in text like its training corpus.
 PASSKEY_PROMPT = ("Return the hyperbolic tangent of x. The pass key is 48213. Remember it. 48213 is the pass key. "
                   "Adapt given object to given protocol. What is the pass key? The pass key is")
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from PIL import Image
 
-    from metainfer_gen.video.demo_model.data import ClipSpec, first_frame
+    from demo_models.video.data import ClipSpec, first_frame
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -98,7 +98,7 @@ def train(pipe, args: argparse.Namespace, batch_loss: Callable[[torch.nn.Module,
     AdamW on the LoRA parameters only, warm-up then cosine decay (``training.learning_rate``). The adapter is
     removed from the transformer afterwards, so ``pipe`` is the base model again.
     """
-    from metainfer_gen.training import ResumableRun
+    from demo_models.training import ResumableRun
 
     transformer = pipe.diffusers_pipeline.transformer
     params = add_trainable_lora(transformer, args.rank, args.seed)

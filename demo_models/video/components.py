@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from metainfer_gen.video.demo_model import configs
-from metainfer_gen.video.demo_model.data import vocabulary
+from demo_models.video import configs
+from demo_models.video.data import vocabulary
 
 PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
 

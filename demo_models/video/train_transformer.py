@@ -2,7 +2,7 @@
 
 Run after ``train_vae`` (resumable; rerun the same command after a stop)::
 
-    OMP_NUM_THREADS=2 python -m metainfer_gen.video.demo_model.train_transformer \
+    OMP_NUM_THREADS=2 python -m demo_models.video.train_transformer \
         --vae-dir build/demo_model/vae/final --work-dir build/demo_model/transformer
 
 Objective: rectified flow as in Wan 2.1 (Esser et al. 2024, "Scaling Rectified Flow Transformers"):
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from metainfer_gen.video.demo_model import components, configs
-from metainfer_gen.training import ResumableRun
-from metainfer_gen.video.demo_model.data import TEMPLATES, training_combinations
-from metainfer_gen.video.demo_model.latents import encode_shards, latent_statistics, load_shards
+from demo_models.video import components, configs
+from demo_models.training import ResumableRun
+from demo_models.video.data import TEMPLATES, training_combinations
+from demo_models.video.latents import encode_shards, latent_statistics, load_shards
 
 
 @torch.no_grad()
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     # Call defaults, so the folder renders as it trained (17 frames of 64x64, not Wan's 81 of 480x832), with the
     # prompt-embedding length the transformer reads.
     from metainfer_gen.pipelines.loading import SETTINGS_FILE
-    from metainfer_gen.video.demo_model.build import DEFAULT_SETTINGS
+    from demo_models.video.build import DEFAULT_SETTINGS
 
     settings = dict(DEFAULT_SETTINGS, max_sequence_length=args.text_length)
     (Path(args.out_dir) / SETTINGS_FILE).write_text(json.dumps(settings, indent=1) + "\n")

@@ -2,7 +2,7 @@
 
 Run after ``train_transformer``::
 
-    python -m metainfer_gen.video.demo_model.build --pipeline-dir build/demo_model/pipeline
+    python -m demo_models.video.build --pipeline-dir build/demo_model/pipeline
 
 Writes ``metainfer_gen/assets/demo_wan/`` (diffusers layout, safetensors) and ``metainfer_gen.json`` beside
 ``model_index.json``: the default ``num_frames``, size, steps, guidance and fps that the pipelines, CLI and demo
@@ -21,7 +21,8 @@ import json
 import shutil
 from pathlib import Path
 
-from metainfer_gen.video.demo_model import configs
+from demo_models import ASSETS
+from demo_models.video import configs
 
 DEFAULT_SETTINGS = {
     "num_frames": configs.NUM_FRAMES,
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from metainfer_gen.pipelines.loading import DEFAULT_MODEL_DIR
 
-    target = Path(__file__).resolve().parents[2] / "assets" / DEFAULT_MODEL_DIR
+    target = ASSETS / DEFAULT_MODEL_DIR
     size = install(args.pipeline_dir, target, args.num_inference_steps, args.guidance_scale, args.transformer,
                    args.latent_stats)
     print(f"wrote {target} ({size / 2**20:.1f} MiB)")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from metainfer_gen.kernels import FuseKernelsConfig, fuse_kernels, unfuse_kernels
-from metainfer_gen.kernels.fuse_wan_rope import MAX_GRIDS
+from metainfer_gen.video.fuse import FuseKernelsConfig, fuse_kernels, unfuse_kernels
+from metainfer_gen.video.fuse.wan_rope import MAX_GRIDS
 
 ONLY_ROPE_TABLE = FuseKernelsConfig(adaln=False, qk_norm=False, rope=False, timestep_embedding=False)
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from metainfer_gen.video.demo_model import configs
-from metainfer_gen.video.demo_model.data import TEMPLATES, sample_batch, training_combinations
+from demo_models.video import configs
+from demo_models.video.data import TEMPLATES, sample_batch, training_combinations
 
 SHARD_SIZE = 64
 
@@ -24,8 +24,8 @@ def encode_shards(vae, work_dir: str | Path, num_clips: int, seed: int = 1, trai
                   centred: bool = False) -> list[Path]:
     """Write ``ceil(num_clips / 64)`` shards, each a dict: latents (N, z, F', h, w) float32 (raw, not normalised),
     combo (N,) index into :func:`training_combinations`, template (N,) index into ``TEMPLATES``; ``trail``: fading
-    copies behind each shape (:class:`~metainfer_gen.video.demo_model.data.ClipSpec`) and ``centred`` starts
-    (:func:`~metainfer_gen.video.demo_model.data.sample_spec`), both recorded in ``shards/data.json``.
+    copies behind each shape (:class:`~demo_models.video.data.ClipSpec`) and ``centred`` starts
+    (:func:`~demo_models.video.data.sample_spec`), both recorded in ``shards/data.json``.
 
     Raises:
         ValueError: the folder's shards were drawn with another ``trail`` or ``centred`` (they would be reused

@@ -1,6 +1,6 @@
 """Render a contact sheet of demo-model clips: one clip per row, frames left to right, prompt above each row.
 
-    python -m metainfer_gen.video.demo_model.contact_sheet -o docs/demo_contact_sheet.png
+    python -m demo_models.video.contact_sheet -o docs/demo_contact_sheet.png
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Recall accuracy of the embedded LLM, served by our engine: passkey retrieval at several context lengths,
 key-value recall and copying, on samples drawn from seeds the training never used.
 
-    python -m metainfer_gen.llm.demo_model.evaluate [--model DIR] [--json docs/demo_llm_eval.json]
+    python -m demo_models.llm.evaluate [--model DIR] [--json docs/demo_llm_eval.json]
 
 A sample is correct when the greedy continuation starts with the exact answer (digits and the final period).
 """
@@ -12,8 +12,8 @@ import argparse
 import json
 import random
 
-from metainfer_gen.llm.demo_model import configs
-from metainfer_gen.llm.demo_model.data import Example, copy_example, kv_example, passkey_example, prose_sentences
+from demo_models.llm import configs
+from demo_models.llm.data import Example, copy_example, kv_example, passkey_example, prose_sentences
 
 EVAL_SEED = 987_654_321  # far from any training seed (training draws seed * 1_000_003 + step)
 
@@ -31,7 +31,7 @@ def fit_passkey(rng: random.Random, tokenizer, sentences: list[str], num_tokens:
 
 
 def task_samples(tokenizer, num_samples: int) -> dict[str, list[Example]]:
-    from metainfer_gen.llm.demo_model.train import vocabulary_words
+    from demo_models.llm.train import vocabulary_words
 
     sentences = prose_sentences()
     words = vocabulary_words(sentences)
