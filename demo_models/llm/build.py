@@ -3,16 +3,20 @@
     python -m demo_models.llm.build --checkpoint build/demo_llm/final
 
 Writes ``metainfer_gen/assets/demo_llm/``. Weights are stored in bfloat16 (half the bytes; the engine upcasts to
-float32 on the CPU); the MoE router stays float32 as transformers keeps it.
+float32 on the CPU); the MoE router stays float32 as transformers keeps it. ``metainfer_gen.json`` beside them
+records the context the model was trained at (``configs.CONTEXT`` tokens; ``max_position_embeddings`` is larger),
+so that ``TextGenerationPipeline`` warns when a call goes past it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
 from demo_models import ASSETS
+from demo_models.llm import configs
 
 MAX_BYTES = 8 * 2**20
 
@@ -30,6 +34,10 @@ def build(checkpoint: Path, out_dir: Path) -> int:
     shutil.rmtree(tmp, ignore_errors=True)
     model.to(torch.bfloat16).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    from metainfer_gen.pipelines.loading import SETTINGS_FILE
+    from metainfer_gen.pipelines.text_generation import TRAINED_CONTEXT_KEY
+
+    (tmp / SETTINGS_FILE).write_text(json.dumps({TRAINED_CONTEXT_KEY: configs.CONTEXT}, indent=1) + "\n")
     size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
     if size > MAX_BYTES:
         raise RuntimeError(f"embedded LLM would take {size / 2**20:.1f} MiB, over the {MAX_BYTES / 2**20:.0f} MiB "

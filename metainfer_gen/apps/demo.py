@@ -16,6 +16,7 @@ import shutil
 import signal
 import sys
 import tempfile
+from importlib.util import find_spec
 from pathlib import Path
 
 from metainfer_gen.apps.demo_limits import DemoLimits, list_loras
@@ -64,6 +65,17 @@ def limits_from_args(args: argparse.Namespace) -> DemoLimits:
     """The :class:`DemoLimits` the flags ask for (ValueError for a value below 1)."""
     return DemoLimits(max_frames=args.max_frames, max_size=args.max_size, max_steps=args.max_steps,
                       max_prompt_chars=args.max_prompt_chars, max_new_tokens=args.max_new_tokens)
+
+
+def require_gradio() -> None:
+    """Refuse to start without gradio, before minutes of model loading (gradio itself imports later, lazily).
+
+    Raises:
+        ValueError: gradio is not installed; the message names the extra that installs it.
+    """
+    if find_spec("gradio") is None:
+        raise ValueError("the demo needs gradio, and gradio is not installed: pip install 'metainfer-gen[demo]' "
+                         "(no model was loaded)")
 
 
 def make_temp_root() -> Path:
@@ -126,7 +138,12 @@ def load_backend(args: argparse.Namespace, output_dir: Path):
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Load the models, build the page and serve it until interrupted."""
+    """Load the models, build the page and serve it until interrupted.
+
+    Raises:
+        ValueError: gradio is missing (checked before anything loads), a limit below 1, a model that fails to load.
+    """
+    require_gradio()
     limits = limits_from_args(args)  # bad limits fail before minutes of loading
     root = make_temp_root()
     try:

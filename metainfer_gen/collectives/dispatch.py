@@ -57,9 +57,19 @@ def last_audit() -> CollectiveRecord | None:
     return _LAST[-1] if _LAST else None
 
 
-def caller_site(depth: int = 2) -> str:
-    """``"file.py:line (function)"`` of the frame ``depth`` levels above the caller of this function."""
-    frame = sys._getframe(depth + 1)
+def caller_site(depth: int = 1) -> str:
+    """``"file.py:line (function)"`` of the frame ``depth`` levels above the caller of this function.
+
+    A public collective calls this directly in its body, so the default (1) names whoever called that
+    collective: the user's line, ``"script.py:12 (<module>)"`` at a script's top level or
+    ``"model.py:40 (forward)"`` inside a function. A stack shallower than ``depth`` names its outermost frame
+    instead of raising: the audit label must never break the collective it labels.
+    """
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame.f_back is None:
+            break
+        frame = frame.f_back
     return _site(frame.f_code, frame.f_lineno)
 
 

@@ -69,11 +69,6 @@ class GroupTopology:
             out.setdefault(h, []).append(r)
         return out
 
-    @property
-    def local_ranks(self) -> list[int]:
-        """Group ranks sharing this rank's host (itself included)."""
-        return self.ranks_per_host[self.hosts[self.rank]]
-
 
 def gather_topology(group=None) -> GroupTopology:
     """Exchange host key, pid and architecture across ``group`` (a collective: every member must call it).

@@ -194,10 +194,6 @@ class CompiledPath:
         self._signatures: set[tuple] = set()
         self._lock = threading.Lock()
 
-    @property
-    def num_signatures(self) -> int:
-        return len(self._signatures)
-
     def refusal(self, *args: Any, **kwargs: Any) -> str | None:
         """None when the compiled path applies to these inputs, else why not."""
         first = args[0]

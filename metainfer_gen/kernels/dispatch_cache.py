@@ -75,8 +75,12 @@ def _part(value: Any) -> tuple | None:
 
 
 def environment() -> tuple:
-    """The machine state the predicates read; a cached decision is valid only while this compares equal."""
-    return (os.environ.get("TRITON_INTERPRET"), platform.capabilities(), platform.triton_installed)
+    """The machine state the predicates read; a cached decision is valid only while this compares equal.
+
+    ``triton_installed()`` is called (its answer is cached in :mod:`~metainfer_gen.platform`, so this is cheap):
+    keying on the function object would keep a decision made before triton was installed, or removed.
+    """
+    return (os.environ.get("TRITON_INTERPRET"), platform.capabilities(), platform.triton_installed())
 
 
 # id(code object) -> (code object, {line: site}); the code object is kept so that an id is never reused.

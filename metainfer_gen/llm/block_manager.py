@@ -7,6 +7,12 @@ sequence whose prompt starts with the same blocks reuses them (reference count +
 Freed blocks keep their hash and stay findable until the free list hands them out again (least recently freed
 first, and a sequence's tail before its head), which makes the free list an LRU cache of prefixes.
 
+A hash is only a lookup: a match compares the whole key the hash was made from (the key vLLM and nano-vllm
+hash: the parent block's hash and the block's own tokens), block by block from the first. A reused block thus
+holds the same tokens, computed after a prefix with the same chain hash as this sequence's; wrong KV would need
+two different prefixes with equal 64-bit chain hashes, both cached. Comparing the tokens alone also reused a
+block whose hash collided with the same tokens after another prefix.
+
 Two rules keep shared blocks correct, where nano-vllm's first version was not:
 - a block is registered only after its KV is written (``commit``), never at allocation, so a sequence admitted in
   the same step cannot reuse a block whose prefill chunk has not run yet;
@@ -30,13 +36,15 @@ class Block:
     ref_count: int = 0
     hash: int | None = _NO_HASH
     token_ids: tuple[int, ...] = ()
+    parent_hash: int | None = _NO_HASH  # hash of the block before it when registered (None: the first block)
 
 
 def chain_hash(prefix_hash: int | None, token_ids: list[int] | tuple[int, ...]) -> int:
     """Hash of a full block given the hash of the block before it (None for the first block).
 
-    Python's hash of a tuple of ints is deterministic across runs (no salt), and matches are confirmed by
-    comparing token ids, so a collision can never return wrong KV.
+    Python's hash of a tuple of ints is deterministic across runs (no salt). A lookup by this hash is confirmed
+    by comparing its whole key (``prefix_hash`` and the token ids, see :meth:`BlockManager.match_prefix`), so two
+    keys that collide are told apart.
     """
     return hash((prefix_hash, *token_ids))
 
@@ -84,7 +92,8 @@ class BlockManager:
         """Attach the cached blocks that start ``seq``'s tokens; returns the number of tokens they hold.
 
         Only called for a sequence holding no blocks (first admission or after preemption). Sets
-        ``num_computed_tokens`` and ``num_cached_tokens``.
+        ``num_computed_tokens`` and ``num_cached_tokens``. A block found by its chain hash is taken only when its
+        tokens and its parent's hash equal this sequence's (the hash alone may collide).
         """
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.request_id} already holds blocks")
@@ -93,11 +102,14 @@ class BlockManager:
             prefix_hash = None
             # Blocks entirely before the last token only (see the module docstring).
             for index in range((len(seq) - 1) // self.block_size):
-                tokens = seq.block_tokens(index, self.block_size)
-                prefix_hash = chain_hash(prefix_hash, tokens)
+                tokens = tuple(seq.block_tokens(index, self.block_size))
+                parent_hash, prefix_hash = prefix_hash, chain_hash(prefix_hash, tokens)
                 block_id = self._hash_to_block.get(prefix_hash)
                 self.num_prefix_queries += 1
-                if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
+                if block_id is None:
+                    break
+                block = self.blocks[block_id]
+                if block.token_ids != tokens or block.parent_hash != parent_hash:
                     break
                 self._take(block_id)
                 seq.block_table.append(block_id)
@@ -121,6 +133,7 @@ class BlockManager:
                 tokens = tuple(seq.block_tokens(index, self.block_size))
                 block.hash = chain_hash(prefix_hash, tokens)
                 block.token_ids = tokens
+                block.parent_hash = prefix_hash
                 # Identical content computed twice (two prompts admitted together) keeps the first registration.
                 self._hash_to_block.setdefault(block.hash, block.block_id)
             prefix_hash = block.hash
@@ -174,6 +187,7 @@ class BlockManager:
     def _clear(block: Block) -> None:
         block.hash = _NO_HASH
         block.token_ids = ()
+        block.parent_hash = _NO_HASH
 
     def reset_prefix_cache(self) -> None:
         """Forget every registered prefix (blocks in use keep their content)."""

@@ -7,7 +7,7 @@ copied between machines, and a margin that is a stated share of that budget.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -36,9 +36,6 @@ class KVPoolSizing:
     margin: int = 0
     profiled_tokens: int = 0
     capped: bool = False
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
     def describe(self) -> str:
         """One line with the numbers, for refusals and logs."""

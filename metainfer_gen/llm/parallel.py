@@ -61,22 +61,25 @@ class TensorParallel:
         return total // self.size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the group in place (identity when ``size == 1``)."""
+        """Sum ``x`` over the group in place (identity when ``size == 1``); the audit names the calling layer."""
         if self.size == 1:
             return x
         from metainfer_gen import collectives
+        from metainfer_gen.collectives.dispatch import caller_site
 
-        return collectives.all_reduce(x.contiguous(), group=self.group)
+        return collectives.all_reduce(x.contiguous(), group=self.group, site=caller_site())
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        """(R, n) on each rank -> (R, size * n), rank ``q``'s columns at ``[q*n:(q+1)*n]``."""
+        """(R, n) on each rank -> (R, size * n), rank ``q``'s columns at ``[q*n:(q+1)*n]``; the audit names the
+        calling layer."""
         if self.size == 1:
             return x
         from metainfer_gen import collectives
+        from metainfer_gen.collectives.dispatch import caller_site
 
         rows, n = x.shape
         out = torch.empty(self.size, rows, n, dtype=x.dtype, device=x.device)
-        collectives.all_gather(out, x.contiguous(), group=self.group)
+        collectives.all_gather(out, x.contiguous(), group=self.group, site=caller_site())
         return out.permute(1, 0, 2).reshape(rows, self.size * n)
 
 

@@ -7,16 +7,23 @@
 
 Call arguments use Hugging Face ``generate``'s names (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``);
 ``temperature=0`` is greedy.
+
+A model folder may say how long a context it was trained at (``trained_context`` in its ``metainfer_gen.json``;
+the embedded LLMs were trained at 512 tokens but accept ``max_position_embeddings`` = 2,048). A call whose prompt
+plus ``max_new_tokens`` goes past it still runs, with one ``UserWarning`` per call naming both lengths: the output
+past the trained length is unreliable. A checkpoint without that file gets no warning.
 """
 
 from __future__ import annotations
 
+import warnings
 from importlib import resources
 from pathlib import Path
 
 from metainfer_gen.llm.config import EngineConfig
 
 DEFAULT_LLM_DIR = "demo_llm"
+TRAINED_CONTEXT_KEY = "trained_context"  # in the model folder's metainfer_gen.json, tokens
 
 
 def default_llm_dir() -> Path:
@@ -32,11 +39,35 @@ def default_llm_dir() -> Path:
     return path
 
 
-class TextGenerationPipeline:
-    """Wraps an :class:`~metainfer_gen.llm.engine.LLMEngine`; ``pipe.engine`` is the engine itself."""
+def trained_context(path: str | Path) -> int | None:
+    """The context length, in tokens, a model folder says it was trained at (``trained_context`` in its
+    ``metainfer_gen.json``); None when the folder has no such file or entry (checkpoints from elsewhere).
 
-    def __init__(self, engine):
+    Raises:
+        ValueError: the file is not JSON, or the entry is not a positive integer.
+    """
+    from metainfer_gen.pipelines.loading import SETTINGS_FILE, model_settings
+
+    value = model_settings(path).get(TRAINED_CONTEXT_KEY)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{Path(path) / SETTINGS_FILE}: {TRAINED_CONTEXT_KEY} must be a positive number of tokens "
+                         f"(the context the model was trained at); got {value!r}: fix it or remove the entry")
+    return value
+
+
+class TextGenerationPipeline:
+    """Wraps an :class:`~metainfer_gen.llm.engine.LLMEngine`; ``pipe.engine`` is the engine itself.
+
+    Args:
+        engine: the engine that serves the calls.
+        trained_context: tokens the model was trained at, or None (unknown: no warning); a call past it warns.
+    """
+
+    def __init__(self, engine, trained_context: int | None = None):
         self.engine = engine
+        self.trained_context = trained_context
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | Path | None = None, *, device: str | None = None,
@@ -55,10 +86,13 @@ class TextGenerationPipeline:
             FileNotFoundError: no such checkpoint. ValueError: unsupported model or bad settings.
         """
         from metainfer_gen.llm.engine import LLMEngine
+        from metainfer_gen.llm.loader import resolve_checkpoint
 
         dtype = str(torch_dtype).removeprefix("torch.") if torch_dtype is not None else None
         config = EngineConfig(device=device, dtype=dtype, **engine_kwargs)
-        return cls(LLMEngine.from_pretrained(pretrained_model_name_or_path or default_llm_dir(), config))
+        path = resolve_checkpoint(pretrained_model_name_or_path or default_llm_dir())
+        trained = trained_context(path)  # a bad settings file fails before the weights load
+        return cls(LLMEngine.from_pretrained(path, config), trained_context=trained)
 
     @property
     def tokenizer(self):
@@ -79,11 +113,33 @@ class TextGenerationPipeline:
             ``mean_token_latency`` in seconds.
         Raises:
             ValueError: bad sampling settings or an empty prompt (before any work).
+        Warns:
+            UserWarning: once per call, when a prompt plus ``max_new_tokens`` goes past :attr:`trained_context`.
         """
         from metainfer_gen.llm.sequence import SamplingParams
 
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 seed=seed, stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
         single = isinstance(prompts, str)
-        outputs = self.engine.generate([prompts] if single else list(prompts), params)
+        batch = [prompts] if single else list(prompts)
+        if self.trained_context is not None:
+            batch = [self.engine.encode(p) for p in batch]  # token ids run exactly as the text would
+            self._warn_past_trained_context(batch, max_new_tokens)
+        outputs = self.engine.generate(batch, params)
         return outputs[0] if single else outputs
+
+    def _warn_past_trained_context(self, batch: list[list[int]], max_new_tokens: int) -> None:
+        """One warning for the prompts whose prompt + new tokens (capped by the engine's ``max_model_len``) pass
+        the trained length; prompts the engine will refuse anyway (no room to generate) are left out."""
+        trained, limit = self.trained_context, self.engine.max_model_len
+        past = [(min(len(ids) + max_new_tokens, limit), i, len(ids)) for i, ids in enumerate(batch)
+                if len(ids) < limit and min(len(ids) + max_new_tokens, limit) > trained]
+        if not past:
+            return
+        total, i, num_tokens = max(past, key=lambda item: item[0])  # the first of the longest
+        which = f"{len(past)} of {len(batch)} prompts go past the trained length; the longest, " \
+            if len(past) > 1 else ""
+        warnings.warn(f"{which}prompt {i} ({num_tokens} tokens) + max_new_tokens={max_new_tokens} reaches {total} "
+                      f"tokens, past the {trained} tokens this model was trained at (it accepts up to {limit}, but "
+                      f"its output past {trained} tokens is unreliable); keep prompt + max_new_tokens within "
+                      f"{trained} tokens", UserWarning, stacklevel=3)

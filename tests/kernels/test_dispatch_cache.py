@@ -51,6 +51,28 @@ def test_the_cache_is_dropped_when_the_machine_changes_or_on_request():
     assert len(calls) == 4
 
 
+def test_the_cached_decision_follows_whether_triton_is_installed(monkeypatch):
+    answer = ["3.0.0"]
+
+    def triton_installed():  # one function object whose answer changes, as after installing triton
+        return answer[0]
+
+    monkeypatch.setattr(platform, "triton_installed", triton_installed)
+    op = Op("toy_triton")
+    op.register("torch", lambda x: x * 2)
+    op.register("fast", lambda x: x * 3, lambda x: None if platform.triton_installed() else "triton not installed",
+                before="torch")
+    x = torch.ones(4, 2)
+    with audit() as report:
+        assert torch.equal(op.dispatch(x, site="s"), x * 3)
+        answer[0] = None
+        assert torch.equal(op.dispatch(x, site="s"), x * 2)  # the same signature, decided afresh
+        answer[0] = "3.1.0"
+        assert torch.equal(op.dispatch(x, site="s"), x * 3)
+    assert report.paths() == {"toy_triton": {"fast": 2, "torch": 1}}
+    assert report.refusals() == {"toy_triton": {"fast: triton not installed"}}
+
+
 def test_signatures_capture_layout_grad_and_alignment_and_refuse_unknown_types():
     x = torch.randn(4, 8)
     assert signature_key((x,), {}) == signature_key((torch.randn(4, 8),), {})

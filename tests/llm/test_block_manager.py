@@ -108,3 +108,18 @@ def test_prefix_caching_off_never_matches():
 def test_bad_sizes(num_blocks, block_size):
     with pytest.raises(ValueError, match=">= 1"):
         BlockManager(num_blocks, block_size)
+
+
+def test_a_hash_collision_with_another_prefix_is_not_reused(monkeypatch):
+    """A block with the same tokens whose hash collides but whose parent differs holds KV computed after another
+    prefix: the match compares the parent's hash too, so it is recomputed, not reused."""
+    from metainfer_gen.llm import block_manager
+
+    # Every block's hash now ignores its prefix: [4, 5, 6, 7] after [0, 1, 2, 3] collides with [4, 5, 6, 7] first.
+    monkeypatch.setattr(block_manager, "chain_hash", lambda prefix_hash, token_ids: hash(tuple(token_ids)))
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq(range(9))
+    run_prefill(bm, a)
+    b = seq([4, 5, 6, 7, 8])  # its first block has a's second block's tokens and hash, at another position
+    assert bm.match_prefix(b) == 0 and b.block_table == []
+    assert bm.match_prefix(seq(range(9))) == 8  # the same prefix still shares both blocks

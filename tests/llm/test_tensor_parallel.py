@@ -78,6 +78,9 @@ def test_tp2_greedy_tokens_equal_tp1(hf_checkpoint, tmp_path):
         assert out["local_heads"] == heads // 2
         assert out["paths"]["all_reduce"] == {"shm_one_shot": out["paths"]["all_reduce"]["shm_one_shot"]}
         assert out["paths"]["all_gather"].keys() == {"shm_all_gather"}
+        # the audit names the layer that reduces (linear.py, embedding.py ...), not the TP helper in parallel.py
+        files = {site.split(":")[0] for site in out["sites"]}
+        assert "parallel.py" not in files and {"linear.py", "embedding.py"} <= files, out["sites"]
     assert results[0]["logits"] == results[1]["logits"]  # every rank samples from the same logits
     experts = [set(results[r]["local_experts"]) for r in (0, 1)]
     assert not experts[0] & experts[1]  # routed experts split, none duplicated

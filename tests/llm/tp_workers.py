@@ -28,6 +28,7 @@ def greedy_tp(rank: int, world: int, args: dict) -> dict:
     collectives.shutdown_distributed()
     return {"tokens": [o.token_ids for o in outputs], "logits": logits.tolist(), "seconds": seconds,
             "paths": {op: paths for op, paths in report.paths().items() if op in ("all_reduce", "all_gather")},
+            "sites": sorted({e.site for e in report.entries if e.op in ("all_reduce", "all_gather")}),
             "local_heads": engine.model.model.layers[0].self_attn.num_heads,
             "local_experts": sorted(int(k) for layer in engine.model.model.layers
                                     if hasattr(layer.mlp, "experts") for k in layer.mlp.experts)[:16]}
