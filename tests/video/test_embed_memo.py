@@ -185,3 +185,24 @@ def test_the_pipeline_refuses_the_memo_on_a_model_without_wan_embedder(fresh_t2v
     monkeypatch.setattr(type(fresh_t2v), "transformers", property(lambda self: [torch.nn.Linear(2, 2)]))
     with pytest.raises(ValueError, match="no condition_embedder"):
         fresh_t2v.enable_embed_memo()
+
+
+def test_a_failed_call_leaves_nothing_in_the_memo(fresh_t2v, monkeypatch):
+    """diffusers resets stateful hooks only at the end of a call that finishes; the pipeline resets the memo anyway."""
+    fresh_t2v.enable_embed_memo()
+    memo = get_embed_memo(fresh_t2v.diffusers_pipeline.transformer)
+    scheduler = fresh_t2v.diffusers_pipeline.scheduler
+    step = scheduler.step
+    calls = []
+
+    def failing_step(*args, **kwargs):
+        calls.append(memo.time is not None)  # the memo holds this step's timestep here
+        if len(calls) == 2:
+            raise RuntimeError("interrupted")
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "step", failing_step)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fresh_t2v(PROMPT, **CALL)
+    assert calls == [True, True]
+    assert memo.time is None and memo.text == []
