@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import tempfile
 import time
@@ -275,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     print(run_header(), flush=True)
+    os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "warning")  # cache-dit logs to stdout, into the table, at "info"
 
     from metainfer_gen.pipelines import ImageToVideoPipeline, TextToVideoPipeline
 
