@@ -207,14 +207,14 @@ def bench_setup(name: str, pipes: dict, tasks: list[str], policies: list[str], i
         pipe = pipes[task]
         render(pipe, task, "off", items[0], 0, call)  # the first call of a process is slower; not timed
 
-        def row(cache):
+        def timed(cache):
             def run(index, item):
                 if getattr(cache, "mag_ratios", False) is None:
                     render(pipe, task, cache, item, index, call)  # MagCache calibrates first; not timed
                 return render(pipe, task, cache, item, index, call)
             return run
 
-        outputs = round_robin({spec: row(make_cache(spec, calibration)) for spec in policies}, items, repeats,
+        outputs = round_robin({spec: timed(make_cache(spec, calibration)) for spec in policies}, items, repeats,
                               on_item=lambda index: print(f"{name} {task}: prompt {index + 1}/{len(items)} done",
                                                           file=sys.stderr, flush=True))
         reference = outputs[policies[0]] if policies[0] == "off" else None
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     print(run_header(), flush=True)
-    os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "warning")  # cache-dit logs to stdout, into the table, at "info"
+    os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "error")  # cache-dit logs to stdout, into the table
 
     from metainfer_gen.pipelines import ImageToVideoPipeline, TextToVideoPipeline
 
