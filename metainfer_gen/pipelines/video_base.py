@@ -2,13 +2,14 @@
 
 The objects wrap a diffusers pipeline (composition: ``pipe.diffusers_pipeline``) and add what users asked for:
 input errors before any work, a seed argument, uint8 frames, per-call stats and a ``save`` that writes
-browser-playable MP4. Accelerators (step cache, LoRA, fused kernels) attach to the wrapped model from outside.
+browser-playable MP4. Accelerators (step cache, embed memo, LoRA, fused kernels) attach to the wrapped model from
+outside; each is off until enabled.
 """
 
 from __future__ import annotations
 
 import inspect
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from metainfer_gen.pipelines.loading import load_diffusers_pipeline
@@ -115,16 +116,77 @@ class VideoPipelineBase:
         from metainfer_gen.video.fuse import fuse_kernels
         from metainfer_gen.video.fuse.core import is_fused
 
-        for model in self._fusable(transformer, vae):
-            if not is_fused(model):
-                fuse_kernels(model, config)
+        with self._embed_memo_lifted():
+            for model in self._fusable(transformer, vae):
+                if not is_fused(model):
+                    fuse_kernels(model, config)
 
     def disable_fused_kernels(self) -> None:
         """Take every kernel that :meth:`enable_fused_kernels` swapped in out again."""
         from metainfer_gen.video.fuse import unfuse_kernels
 
-        for model in self._fusable(True, True):
-            unfuse_kernels(model)
+        with self._embed_memo_lifted():
+            for model in self._fusable(True, True):
+                unfuse_kernels(model)
+
+    def enable_embed_memo(self) -> None:
+        """Reuse the condition embedder's exact outputs within each call (lossless; off by default).
+
+        Each step's timestep is then embedded once for both CFG branches and the second branch's prompt projected
+        once per call, by value lookup, so outputs stay bit-identical (:mod:`metainfer_gen.video.cache.embed_memo`;
+        about 6% of a clip with the ``fast`` step cache on the embedded model). Independent of
+        :meth:`enable_step_cache`: it composes with ours and with every baseline, and with the fused kernels in
+        either order. Its entries are forgotten after every call. A pipeline made with ``from_pipe`` shares it.
+        Raises:
+            ValueError: no transformer of this pipeline has Wan's condition embedder (with the reason).
+        """
+        from metainfer_gen.video.cache.embed_memo import apply_embed_memo, embed_memo_refusal, get_embed_memo
+
+        refusals = [embed_memo_refusal(model) for model in self.transformers]
+        if all(refusals):
+            raise ValueError(f"cannot enable the embed memo: {refusals[0]}")
+        for model, refusal in zip(self.transformers, refusals):
+            if refusal is None and get_embed_memo(model) is None:
+                apply_embed_memo(model)
+
+    def disable_embed_memo(self) -> None:
+        """Remove the embed memo; no-op when it is not enabled."""
+        from metainfer_gen.video.cache.embed_memo import get_embed_memo, remove_embed_memo
+
+        for model in self.transformers:
+            if get_embed_memo(model) is not None:
+                remove_embed_memo(model)
+
+    @property
+    def embed_memo_enabled(self) -> bool:
+        """True when :meth:`enable_embed_memo` is in effect."""
+        from metainfer_gen.video.cache.embed_memo import get_embed_memo
+
+        return any(get_embed_memo(model) is not None for model in self.transformers)
+
+    @contextmanager
+    def _embed_memo_lifted(self):
+        """The memo off while kernels are (un)fused, then back outermost: ``fuse_kernels`` refuses hooked
+        modules, and a hook removed from under the memo would leave the memo bypassed."""
+        memo = self.embed_memo_enabled
+        if memo:
+            self.disable_embed_memo()
+        try:
+            yield
+        finally:
+            if memo:
+                self.enable_embed_memo()
+
+    @contextmanager
+    def _embed_memo_call(self):
+        """Around one call: the memo forgets its entries afterwards, also when the call fails."""
+        try:
+            yield
+        finally:
+            from metainfer_gen.video.cache.embed_memo import reset_embed_memo
+
+            for model in self.transformers:
+                reset_embed_memo(model)
 
     def _fusable(self, transformer: bool, vae: bool) -> list:
         vae_model = getattr(self.diffusers_pipeline, "vae", None)
@@ -278,7 +340,8 @@ class VideoPipelineBase:
             if generator is None and seed is not None:
                 generator = torch.Generator(device="cpu").manual_seed(seed)
             with measure(self.transformers, self.device) as stats, torch.inference_mode(), \
-                    count_block_evaluations(self.transformers) as blocks, session as cache_report, cfg_session as cfg:
+                    count_block_evaluations(self.transformers) as blocks, session as cache_report, cfg_session as cfg, \
+                    self._embed_memo_call():
                 result = self.diffusers_pipeline(**call_kwargs, generator=generator, output_type="np")
         self.last_audit = report
         stats.num_inference_steps = steps

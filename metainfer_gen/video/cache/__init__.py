@@ -2,7 +2,8 @@
 
     from metainfer_gen.video.cache import StepCacheConfig, apply_step_cache, remove_step_cache
 
-Pipelines use it through ``pipe.enable_step_cache("auto" | "fast" | StepCacheConfig(...) | "fbcache" ...)``.
+Pipelines use it through ``pipe.enable_step_cache("auto" | "fast" | StepCacheConfig(...) | "fbcache" ...)``; the
+lossless condition-embedder memo is separate (``apply_embed_memo`` / ``pipe.enable_embed_memo()``).
 Names load lazily: importing this package imports neither torch nor diffusers.
 """
 
@@ -23,6 +24,8 @@ _EXPORTS = {
     "make_policy": "metainfer_gen.video.cache.policies",
     "policy_names": "metainfer_gen.video.cache.policies",
     "count_block_evaluations": "metainfer_gen.video.cache.counting",
+    "apply_embed_memo": "metainfer_gen.video.cache.embed_memo",
+    "remove_embed_memo": "metainfer_gen.video.cache.embed_memo",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -6,7 +6,6 @@ import torch
 from diffusers.hooks.hooks import HookRegistry
 
 from metainfer_gen.video.cache.blocks import find_blocks
-from metainfer_gen.video.cache.embed_memo import install_embed_memo
 from metainfer_gen.video.cache.gated import GatedBlocks
 from metainfer_gen.video.cache.config import StepCacheConfig
 from metainfer_gen.video.cache.hooks import (
@@ -64,7 +63,6 @@ def apply_step_cache(transformer: torch.nn.Module, config: StepCacheConfig | Non
         HookRegistry.check_if_exists_or_initialize(block).register_hook(hook, BLOCK_HOOK)
     if config.gate_aware:  # capture hooks only where they are used
         run.gated = GatedBlocks.of([block for _, block in blocks])
-    run.embed_memo = install_embed_memo(transformer)
     # Contexts set later must reach the new hooks (diffusers caches the list of child registries).
     HookRegistry.check_if_exists_or_initialize(transformer).invalidate_child_registries_cache()
     return tracker

@@ -19,7 +19,6 @@ from diffusers.utils.torch_utils import unwrap_module
 from metainfer_gen.video.cache.blocks import ENCODER_ARG, HIDDEN_ARG, BlockIO
 from metainfer_gen.video.cache.config import StepCacheConfig
 from metainfer_gen.video.cache.decision import Decision, Reason
-from metainfer_gen.video.cache.embed_memo import EMBED_HOOK, EmbedMemoHook
 from metainfer_gen.video.cache.gated import CAPTURE_HOOK, GatedBlocks
 from metainfer_gen.video.cache.state import BranchState, CallTracker, signal_between
 from metainfer_gen.video.cache.stats import StepRecord
@@ -27,7 +26,7 @@ from metainfer_gen.video.cache.stats import StepRecord
 ROOT_HOOK = "metainfer_step_cache_root"
 HEAD_HOOK = "metainfer_step_cache_head"
 BLOCK_HOOK = "metainfer_step_cache_block"
-HOOK_NAMES = (ROOT_HOOK, HEAD_HOOK, BLOCK_HOOK, CAPTURE_HOOK, EMBED_HOOK)
+HOOK_NAMES = (ROOT_HOOK, HEAD_HOOK, BLOCK_HOOK, CAPTURE_HOOK)
 
 
 @dataclass(slots=True)
@@ -46,7 +45,6 @@ class _Run:
     record: StepRecord | None = None
     gated: GatedBlocks | None = None  # Wan-style blocks with gate_aware on: residuals from module outputs and gates
     temb: torch.Tensor | None = None  # the blocks' temb argument on this step
-    embed_memo: EmbedMemoHook | None = None  # exact reuse of the condition embedder's outputs within a call
 
     @property
     def skip_blocks(self) -> int:
@@ -153,8 +151,6 @@ class StepCacheRootHook(ModelHook):
 
     def reset_state(self, module):
         self.state_manager.reset()
-        if self.run.embed_memo is not None:
-            self.run.embed_memo.clear()
         self.run.tracker.finish_call()
         return module
 
