@@ -108,6 +108,7 @@ class LLMServer:
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.config.host, self.config.port))
+        sock.listen(2048)  # connections queue from here on, even before uvicorn accepts (no "refused" window)
         sock.set_inheritable(True)
         self._socket = sock
         return sock
