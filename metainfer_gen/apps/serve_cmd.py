@@ -68,7 +68,7 @@ def add_serve_parser(subparsers) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from metainfer_gen.serve.server import LLMServer, ServeConfig, require_serve_dependencies
+    from metainfer_gen.serve.server import LLMServer, ServeConfig, bind_socket, require_serve_dependencies
 
     try:
         require_serve_dependencies()
@@ -81,8 +81,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          max_num_seqs=args.max_num_seqs, max_body_bytes=args.max_body_bytes,
                          served_model_name=args.served_model_name, engine=engine)
     try:
-        LLMServer.run_forever(config, log_level=args.log_level)
-    except OSError as exc:  # the port is taken, or the host is not an address of this machine
+        bind_socket(args.host, args.port).close()  # a taken port fails now, not after the model loaded
+    except OSError as exc:
         print(f"error: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
+    LLMServer.run_forever(config, log_level=args.log_level)
     return 0

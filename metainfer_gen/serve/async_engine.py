@@ -198,12 +198,24 @@ class AsyncLLMEngine:
             else:
                 for request_id in list(self._requests):
                     self._abort(request_id, "abort")
+                self._refuse_pending()
                 return False
+
+    def _refuse_pending(self) -> None:
+        """After ``close``: adds that were still queued fail instead of waiting forever."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                request, accepted = command[1], command[-1]
+                request.loop.call_soon_threadsafe(_resolve, accepted, RuntimeError("the engine front is closed"))
 
     def _add(self, request: _Request, token_ids: list[int], params: SamplingParams, accepted) -> None:
         try:
             self.engine.add_request(token_ids, params, request_id=request.stream.request_id)
-        except ValueError as exc:
+        except Exception as exc:  # ValueError / RequestRejected: the caller's 400; anything else its 500
             request.loop.call_soon_threadsafe(_resolve, accepted, exc)
             return
         self._requests[request.stream.request_id] = request

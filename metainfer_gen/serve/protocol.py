@@ -21,6 +21,7 @@ _UNSUPPORTED = {
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
     "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
     "tools": (None, []), "functions": (None, []), "repetition_penalty": (None, 1),
+    "response_format": (None, {"type": "text"}),
 }
 _ROLES = ("system", "developer", "user", "assistant")
 

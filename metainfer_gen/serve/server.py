@@ -5,7 +5,8 @@
         print(server.base_url)                                 # http://127.0.0.1:PORT/v1
     LLMServer.run_forever(ServeConfig(port=8000))              # what `metainfer-gen serve` does
 
-The model loads before the port is bound, so a bad checkpoint or setting fails before any client can connect.
+The port is bound first (a taken port fails at once, before minutes of loading) but listens only once the model
+is loaded, so no client ever reaches a half-started server.
 """
 
 from __future__ import annotations
@@ -72,24 +73,36 @@ class ServeConfig:
 class LLMServer:
     """A loaded engine, its async front and app, and the uvicorn server running them."""
 
-    def __init__(self, config: ServeConfig, front, app, model_name: str):
+    def __init__(self, config: ServeConfig, front, app, model_name: str, sock: socket.socket):
         self.config = config
         self.front = front
         self.app = app
         self.model_name = model_name
+        self._socket = sock
         self._uvicorn = None
         self._thread: threading.Thread | None = None
-        self._socket: socket.socket | None = None
 
     @classmethod
     def load(cls, config: ServeConfig) -> "LLMServer":
-        """Load the model and build the app (nothing is bound yet).
+        """Bind the port, load the model, build the app, then listen (uvicorn accepts once it runs).
 
         Raises:
-            ImportError: the serve extra is missing. FileNotFoundError / ValueError: bad checkpoint or settings.
+            ImportError: the serve extra is missing. OSError: the address is taken or not this machine's.
+            FileNotFoundError / ValueError: bad checkpoint or settings.
         """
         require_serve_dependencies()
         AppSettings("x", config.api_key, config.max_body_bytes)  # check the key and limits before loading
+        sock = bind_socket(config.host, config.port)
+        try:
+            server = cls._load(config, sock)
+        except BaseException:
+            sock.close()
+            raise
+        sock.listen(2048)  # connections queue from here on, even before uvicorn accepts
+        return server
+
+    @classmethod
+    def _load(cls, config: ServeConfig, sock: socket.socket) -> "LLMServer":
         from metainfer_gen.pipelines.text_generation import TextGenerationPipeline, default_llm_dir
         from metainfer_gen.serve.app import build_app
         from metainfer_gen.serve.async_engine import AsyncLLMEngine
@@ -101,17 +114,7 @@ class LLMServer:
         metrics = ServerMetrics(name)
         front = AsyncLLMEngine(pipe.engine, metrics)
         app = build_app(front, metrics, AppSettings(name, config.api_key, config.max_body_bytes))
-        return cls(config, front, app, name)
-
-    def _bind(self) -> socket.socket:
-        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.config.host, self.config.port))
-        sock.listen(2048)  # connections queue from here on, even before uvicorn accepts (no "refused" window)
-        sock.set_inheritable(True)
-        self._socket = sock
-        return sock
+        return cls(config, front, app, name, sock)
 
     def _uvicorn_server(self, log_level: str):
         import uvicorn
@@ -121,7 +124,8 @@ class LLMServer:
 
     @property
     def port(self) -> int:
-        return self._socket.getsockname()[1] if self._socket is not None else self.config.port
+        """The bound port (the one picked when the config said 0)."""
+        return self._socket.getsockname()[1]
 
     @property
     def base_url(self) -> str:
@@ -133,10 +137,9 @@ class LLMServer:
     def run_forever(cls, config: ServeConfig, log_level: str = "info") -> None:
         """Load, bind and serve until Ctrl-C / SIGTERM (uvicorn's signal handling), then close the engine."""
         server = cls.load(config)
-        sock = server._bind()
         print(f"serving {server.model_name!r} on {server.base_url} (OpenAI API; /health, /metrics)", flush=True)
         try:
-            server._uvicorn_server(log_level).run(sockets=[sock])
+            server._uvicorn_server(log_level).run(sockets=[server._socket])
         finally:
             server.close()
 
@@ -148,9 +151,8 @@ class LLMServer:
             TimeoutError: uvicorn did not start within ``timeout_s`` seconds.
         """
         server = cls.load(config)
-        sock = server._bind()
         server._uvicorn = server._uvicorn_server(log_level)
-        server._thread = threading.Thread(target=server._uvicorn.run, kwargs={"sockets": [sock]},
+        server._thread = threading.Thread(target=server._uvicorn.run, kwargs={"sockets": [server._socket]},
                                           name="uvicorn", daemon=True)
         server._thread.start()
         deadline = time.monotonic() + timeout_s
@@ -169,11 +171,26 @@ class LLMServer:
                 self._thread.join(timeout_s)
             self._uvicorn = None
         self.front.close()
-        if self._socket is not None:
-            self._socket.close()
+        self._socket.close()
 
     def __enter__(self) -> "LLMServer":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (IPv6 when ``host`` has a colon), not yet listening.
+
+    Raises:
+        OSError: the port is taken, or ``host`` is not an address of this machine.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
