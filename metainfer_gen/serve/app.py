@@ -8,6 +8,7 @@ whose scrapers and probes send none). Every error is OpenAI's error JSON (:mod:`
 
 # No ``from __future__ import annotations``: FastAPI reads the route signatures' ``Request`` annotations at
 # definition time, and ``Request`` is imported inside ``build_app`` (fastapi is an optional extra).
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -92,14 +93,14 @@ def build_app(front, metrics, settings: AppSettings):
     async def completions(request: Request):
         req = parse_completion_request(await body_of(request))
         check_model(req.model)
-        ids = encode_text(req.prompt) if isinstance(req.prompt, str) else req.prompt
+        ids = await asyncio.to_thread(encode_text, req.prompt) if isinstance(req.prompt, str) else req.prompt
         return await answer(request, req, ids)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = parse_chat_request(await body_of(request))
         check_model(req.model)
-        return await answer(request, req, chat_token_ids(tokenizer, req.messages))
+        return await answer(request, req, await asyncio.to_thread(chat_token_ids, tokenizer, req.messages))
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -113,12 +114,12 @@ def build_app(front, metrics, settings: AppSettings):
         body = await body_of(request)
         check_model(body.get("model"))
         if "messages" in body:
-            ids = chat_token_ids(tokenizer, parse_chat_request(body).messages)
+            ids = await asyncio.to_thread(chat_token_ids, tokenizer, parse_chat_request(body).messages)
         elif isinstance(body.get("prompt"), str):
             add_special = body.get("add_special_tokens", True)
             if not isinstance(add_special, bool):
                 raise bad_request("add_special_tokens must be true or false", "add_special_tokens")
-            ids = list(tokenizer(body["prompt"], add_special_tokens=add_special)["input_ids"])
+            ids = await asyncio.to_thread(encode_text, body["prompt"], add_special)
         else:
             raise bad_request("give 'prompt' (a string) or 'messages'", "prompt", "missing_field")
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
@@ -145,7 +146,9 @@ def build_app(front, metrics, settings: AppSettings):
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    def encode_text(text: str) -> list[int]:
-        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    def encode_text(text: str, add_special_tokens: bool = True) -> list[int]:
+        # Called in a worker thread: a prompt near the body limit takes ~0.5 s to tokenize, which would stall
+        # every open stream if done on the event loop (encoding reads the tokenizer, never changes it).
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     return app

@@ -4,7 +4,6 @@ SSE stream, aborting the request as soon as its client goes away.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 
@@ -99,10 +98,7 @@ async def _stream(front, request, stream, fmt: ResponseFormat):
             if fmt.include_usage:
                 yield fmt.usage_chunk(event.num_prompt_tokens, event.num_output_tokens)
             yield DONE
-    except asyncio.CancelledError:  # Starlette cancels the stream when the client disconnects
-        front.abort(stream.request_id)
-        raise
-    finally:
+    finally:  # also when Starlette cancels the stream because the client disconnected
         watcher.cancel()
         if not stream.done:
             front.abort(stream.request_id)

@@ -103,6 +103,8 @@ def test_models_health_tokenize_detokenize(client, http, server):
     tok = http.post("/tokenize", json={"prompt": "你好 🙂"}).json()
     assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == server.front.engine.max_model_len
     assert http.post("/detokenize", json={"tokens": tok["tokens"][1:]}).json() == {"prompt": "你好 🙂"}
+    bare = http.post("/tokenize", json={"prompt": "你好 🙂", "add_special_tokens": False}).json()
+    assert bare["tokens"] == tok["tokens"][1:]  # without BOS
     chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] > 2
 
