@@ -59,13 +59,15 @@ async def generate(front, request, req: GenerationRequest, prompt_ids: list[int]
         raise APIError(400, str(exc), param=field, code="context_length_exceeded") from None
     except ValueError as exc:
         raise bad_request(str(exc), field) from None
-    if req.stream:
-        return _stream(front, request, stream, fmt)
-    return await _collect(front, request, stream, fmt)
-
-
-async def _collect(front, request, stream, fmt: ResponseFormat) -> dict:
+    # Watch from now on, not from the stream's first chunk: a client gone before Starlette starts the stream
+    # (which then never runs its ``finally``) is aborted all the same.
     watcher = on_disconnect(request, lambda: front.abort(stream.request_id))
+    if req.stream:
+        return _stream(front, stream, fmt, watcher)
+    return await _collect(front, stream, fmt, watcher)
+
+
+async def _collect(front, stream, fmt: ResponseFormat, watcher) -> dict:
     parts, last = [], None
     try:
         async for event in stream:
@@ -81,8 +83,7 @@ async def _collect(front, request, stream, fmt: ResponseFormat) -> dict:
                         last.num_output_tokens)
 
 
-async def _stream(front, request, stream, fmt: ResponseFormat):
-    watcher = on_disconnect(request, lambda: front.abort(stream.request_id))
+async def _stream(front, stream, fmt: ResponseFormat, watcher):
     try:
         if fmt.chat:
             yield fmt.chunk(role=True)
