@@ -64,7 +64,7 @@ def test_cli_serves_on_loopback_with_an_api_key(cli_server):
     assert proc.wait(15) in (0, -15)
 
 
-def test_cli_names_the_extra_when_fastapi_is_missing(monkeypatch, capsys):
+def test_cli_names_the_extra_when_uvicorn_is_missing(monkeypatch, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
     assert main(["serve", "--port", "0"]) == 2
