@@ -1,0 +1,89 @@
+"""``metainfer-gen serve``: the OpenAI-compatible LLM server (completions, chat, SSE streaming, /metrics).
+
+    metainfer-gen serve                               # the embedded LLM on http://127.0.0.1:8000/v1
+    metainfer-gen serve --llm CKPT --port 8001 --api-key SECRET --max-num-seqs 32
+    metainfer-gen serve --host 0.0.0.0                # reachable from the network: set an API key too
+
+Needs the serve extra: ``pip install 'metainfer-gen[serve]'``. Tensor parallelism (torchrun) and FP8 flags are
+not wired here yet; the engine supports them through the Python API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DEFAULT_PORT = 8000
+API_KEY_ENV = "METAINFER_GEN_API_KEY"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535]; got {value}")
+    return value
+
+
+def add_serve_parser(subparsers) -> None:
+    """Register the ``serve`` subcommand on the CLI's subparsers."""
+    from metainfer_gen.serve.http_io import DEFAULT_MAX_BODY_BYTES
+
+    p = subparsers.add_parser("serve", help="serve an LLM over OpenAI's API (completions, chat, streaming)",
+                              description="Load an LLM checkpoint (default: the embedded one) and serve OpenAI's "
+                                          "/v1/completions and /v1/chat/completions with SSE streaming, plus "
+                                          "/v1/models, /tokenize, /detokenize, /health and /metrics. Binds "
+                                          "127.0.0.1 unless --host says otherwise. Needs the serve extra: "
+                                          "pip install 'metainfer-gen[serve]'.")
+    p.add_argument("--llm", default=None, help="checkpoint directory or hub id (default: the embedded LLM)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"port to bind, 0 = any free one "
+                                                                   f"(default {DEFAULT_PORT})")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on every route but /health and /metrics (default: "
+                        f"${API_KEY_ENV}, else no key)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=64,
+                   help="requests decoded together; more wait in the queue (default 64)")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest request body; larger ones get 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--served-model-name", default=None,
+                   help="the 'model' name clients send (default: the checkpoint folder's name)")
+    p.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="context length (default: the model's max_position_embeddings)")
+    p.add_argument("--num-kv-blocks", type=_positive_int, default=None,
+                   help="KV pool size in blocks (default: sized from free memory)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="weights and activations (default float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
+                   help="uvicorn's log level (default info, with an access log)")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from metainfer_gen.serve.server import LLMServer, ServeConfig, bind_socket, require_serve_dependencies
+
+    try:
+        require_serve_dependencies()
+    except ImportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    engine = {name: getattr(args, name) for name in ("max_model_len", "num_kv_blocks", "device", "dtype")
+              if getattr(args, name) is not None}
+    config = ServeConfig(llm=args.llm, host=args.host, port=args.port, api_key=args.api_key,
+                         max_num_seqs=args.max_num_seqs, max_body_bytes=args.max_body_bytes,
+                         served_model_name=args.served_model_name, engine=engine)
+    try:
+        bind_socket(args.host, args.port).close()  # a taken port fails now, not after the model loaded
+    except OSError as exc:
+        print(f"error: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+    LLMServer.run_forever(config, log_level=args.log_level)
+    return 0

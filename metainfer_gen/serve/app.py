@@ -1,0 +1,154 @@
+"""The FastAPI app: OpenAI's LLM routes over an :class:`~metainfer_gen.serve.async_engine.AsyncLLMEngine`.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` for SSE), ``GET /v1/models``,
+``POST /tokenize``, ``POST /detokenize`` (vLLM's shapes), ``GET /health``, ``GET /metrics`` (Prometheus).
+With an API key, every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer <key>`` (as vLLM,
+whose scrapers and probes send none). Every error is OpenAI's error JSON (:mod:`metainfer_gen.serve.errors`).
+"""
+
+# No ``from __future__ import annotations``: FastAPI reads the route signatures' ``Request`` annotations at
+# definition time, and ``Request`` is imported inside ``build_app`` (fastapi is an optional extra).
+import asyncio
+import time
+from dataclasses import dataclass
+
+from metainfer_gen.serve.chat import chat_token_ids
+from metainfer_gen.serve.errors import APIError, bad_request, error_body, http_error
+from metainfer_gen.serve.generation import generate
+from metainfer_gen.serve.http_io import DEFAULT_MAX_BODY_BYTES, check_api_key, read_json
+from metainfer_gen.serve.protocol import parse_chat_request, parse_completion_request
+
+
+@dataclass(slots=True)
+class AppSettings:
+    """Args:
+        model_name: the name clients pass as ``model`` (requests naming another model get a 400).
+        api_key: required Bearer token, or None for an open server.
+        max_body_bytes: request bodies larger than this get a 413 (default 1 MiB).
+    Raises:
+        ValueError: an empty name or key, or a non-positive body limit.
+    """
+
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ValueError("model_name must be a non-empty string")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must be None or a non-empty string")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1; got {self.max_body_bytes}")
+
+
+def build_app(front, metrics, settings: AppSettings):
+    """The app serving ``front``'s engine.
+
+    Args:
+        front: an :class:`~metainfer_gen.serve.async_engine.AsyncLLMEngine` (the caller closes it).
+        metrics: the :class:`~metainfer_gen.serve.metrics.ServerMetrics` ``front`` reports to.
+        settings: name, key and limits.
+    """
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    engine = front.engine
+    tokenizer = engine.tokenizer
+    created = int(time.time())
+    app = FastAPI(title="metainfer-gen", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_, exc: HTTPException):
+        err = http_error(exc.status_code, exc.detail if isinstance(exc.detail, str) else None)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(_, exc: Exception):
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_server_error"),
+                            status_code=500)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != settings.model_name:
+            raise APIError(400, f"the model {name!r} does not exist; this server serves {settings.model_name!r} "
+                                f"(GET /v1/models)", param="model", code="model_not_found")
+
+    async def body_of(request: Request) -> dict:
+        check_api_key(request, settings.api_key)
+        return await read_json(request, settings.max_body_bytes)
+
+    async def answer(request: Request, req, prompt_ids: list[int]):
+        result = await generate(front, request, req, prompt_ids, settings.model_name, engine.max_model_len)
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse_completion_request(await body_of(request))
+        check_model(req.model)
+        ids = await asyncio.to_thread(encode_text, req.prompt) if isinstance(req.prompt, str) else req.prompt
+        return await answer(request, req, ids)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse_chat_request(await body_of(request))
+        check_model(req.model)
+        return await answer(request, req, await asyncio.to_thread(chat_token_ids, tokenizer, req.messages))
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_api_key(request, settings.api_key)
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": created,
+                                             "owned_by": "metainfer-gen", "root": settings.model_name,
+                                             "max_model_len": engine.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await body_of(request)
+        check_model(body.get("model"))
+        if "messages" in body:
+            ids = await asyncio.to_thread(chat_token_ids, tokenizer, parse_chat_request(body).messages)
+        elif isinstance(body.get("prompt"), str):
+            add_special = body.get("add_special_tokens", True)
+            if not isinstance(add_special, bool):
+                raise bad_request("add_special_tokens must be true or false", "add_special_tokens")
+            ids = await asyncio.to_thread(encode_text, body["prompt"], add_special)
+        else:
+            raise bad_request("give 'prompt' (a string) or 'messages'", "prompt", "missing_field")
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await body_of(request)
+        check_model(body.get("model"))
+        ids = body.get("tokens")
+        vocab = engine.model.config.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                for t in ids):
+            raise bad_request(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
+        return {"prompt": tokenizer.decode(ids)}
+
+    @app.get("/health")
+    async def health():
+        if not front.is_alive:
+            return JSONResponse(error_body("the engine thread has stopped", "service_unavailable"), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    def encode_text(text: str, add_special_tokens: bool = True) -> list[int]:
+        # Called in a worker thread: a prompt near the body limit takes ~0.5 s to tokenize, which would stall
+        # every open stream if done on the event loop (encoding reads the tokenizer, never changes it).
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    return app

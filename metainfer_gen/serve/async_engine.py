@@ -1,0 +1,279 @@
+"""An asyncio front of :class:`~metainfer_gen.llm.engine.LLMEngine`: one thread steps the engine over every open
+request (continuous batching); each request reads its own queue of text deltas.
+
+    front = AsyncLLMEngine(engine)                       # starts the engine thread
+    stream = await front.add(prompt_ids, SamplingParams(max_new_tokens=16), stop=["\\n"])
+    async for event in stream:                          # StreamEvent(text, finished, finish_reason, ...)
+        print(event.text, end="")
+    front.abort(stream.request_id)                      # any time, from any thread: ends within one engine step
+    front.close()
+
+Only the engine thread touches the engine. ``add`` and ``abort`` post commands to it, applied before each step, so
+a client that goes away is aborted before the next forward and its KV blocks are back in the pool when that
+step runs. Detokenization and stop strings run in the engine thread too (:mod:`metainfer_gen.llm.detokenizer`):
+a stop string aborts the request at the step that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from metainfer_gen.llm.detokenizer import IncrementalDetokenizer
+from metainfer_gen.llm.sequence import SamplingParams
+
+log = logging.getLogger(__name__)
+_ids = itertools.count()
+
+
+@dataclass(slots=True)
+class StreamEvent:
+    """What one engine step gave one request.
+
+    Attributes:
+        text: new text (may be "" while an incomplete character or a possible stop string is held back).
+        num_new_tokens: tokens this step added.
+        finished: last event of the request; ``finish_reason`` is then "stop", "length", "abort" (aborted, e.g.
+            the client went away) or "error" (``error`` says why).
+        num_prompt_tokens, num_output_tokens: counts so far (usage).
+    """
+
+    text: str
+    num_new_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """One request's events, in order; iterate with ``async for`` (ends after the finished event)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    done: bool = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        if self.done:
+            raise StopAsyncIteration
+        event = await self._queue.get()
+        self.done = event.finished
+        return event
+
+
+@dataclass(eq=False)
+class _Request:
+    """Engine-thread state of one open request."""
+
+    stream: RequestStream
+    loop: asyncio.AbstractEventLoop
+    detokenizer: IncrementalDetokenizer
+    arrival: float = field(default_factory=time.perf_counter)
+    last_token_time: float | None = None
+    num_output_tokens: int = 0
+
+
+class AsyncLLMEngine:
+    """Drives ``engine`` from a background thread.
+
+    Args:
+        engine: an :class:`~metainfer_gen.llm.engine.LLMEngine` with a tokenizer; nothing else may call it.
+        metrics: optional observer with ``on_added(prompt_tokens)``, ``on_tokens(n, ttft_s | None, itl_s | None)``,
+            ``on_finished(reason, e2e_s)`` and ``on_step(engine)`` (see :mod:`metainfer_gen.serve.metrics`).
+        idle_wait_s: how long the thread sleeps between checks when no request is open (a command wakes it).
+    """
+
+    def __init__(self, engine, metrics=None, *, idle_wait_s: float = 0.5):
+        if engine.tokenizer is None:
+            raise ValueError("the server needs a checkpoint with a tokenizer (tokenizer.json)")
+        self.engine = engine
+        self.metrics = metrics
+        self._idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._requests: dict[str, _Request] = {}
+        self._closing = False
+        self.num_steps = 0
+        self.max_abort_lag_steps = 0  # most engine steps between an ``abort`` call and its effect (<= 1)
+        self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
+        self._thread.start()
+
+    # -- called from the event loop (or any thread) -----------------------------------------------------------
+    async def add(self, prompt_token_ids: list[int], params: SamplingParams, stop=None,
+                  request_id: str | None = None) -> RequestStream:
+        """Queue a request; returns its stream once the engine thread accepted it.
+
+        Raises:
+            ValueError: bad ``stop`` or token ids, a duplicate id, or
+                :class:`~metainfer_gen.llm.engine.RequestRejected` (too long for the context or the KV pool).
+            RuntimeError: the front is closed.
+        """
+        if self._closing:
+            raise RuntimeError("the engine front is closed")
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id or f"req-{next(_ids)}", len(prompt_token_ids))
+        detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_token_ids, stop)  # checks ``stop``
+        accepted = loop.create_future()
+        self._post(("add", _Request(stream, loop, detokenizer), list(prompt_token_ids), params, accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:  # the caller went away while the engine thread was adding
+            self.abort(stream.request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """End a request before the next engine step (its stream gets a finished event, reason "abort").
+        Unknown or finished ids are ignored."""
+        self._post(("abort", request_id, self.num_steps))
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def is_alive(self) -> bool:
+        """The engine thread is running (False after ``close``)."""
+        return self._thread.is_alive() and not self._closing
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Abort every open request and stop the thread (waits up to ``timeout_s`` seconds)."""
+        self._closing = True
+        self._post(("close",))
+        self._thread.join(timeout_s)
+
+    def _post(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # -- the engine thread ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            if not self._apply_commands():
+                return
+            if not self.engine.has_unfinished_requests:
+                self._wake.wait(self._idle_wait_s)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bug must not hang every client: fail the open requests, keep serving
+                log.exception("engine step failed")
+                for request_id in list(self._requests):
+                    self._abort(request_id, "error", f"engine step failed: {exc}")
+                continue
+            self.num_steps += 1
+            now = time.perf_counter()
+            for output in outputs:
+                self._deliver(output, now)
+            if self.metrics is not None:
+                self.metrics.on_step(self.engine)
+
+    def _apply_commands(self) -> bool:
+        """Apply queued commands; False once closed."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            kind = command[0]
+            if kind == "add":
+                self._add(*command[1:])
+            elif kind == "abort":
+                # Steps that completed between the call and now: 0, or 1 when a step was running at the call.
+                self.max_abort_lag_steps = max(self.max_abort_lag_steps, self.num_steps - command[2])
+                self._abort(command[1], "abort")
+            else:
+                for request_id in list(self._requests):
+                    self._abort(request_id, "abort")
+                self._refuse_pending()
+                return False
+
+    def _refuse_pending(self) -> None:
+        """After ``close``: adds that were still queued fail instead of waiting forever."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                request, accepted = command[1], command[-1]
+                request.loop.call_soon_threadsafe(_resolve, accepted, RuntimeError("the engine front is closed"))
+
+    def _add(self, request: _Request, token_ids: list[int], params: SamplingParams, accepted) -> None:
+        try:
+            self.engine.add_request(token_ids, params, request_id=request.stream.request_id)
+        except Exception as exc:  # ValueError / RequestRejected: the caller's 400; anything else its 500
+            request.loop.call_soon_threadsafe(_resolve, accepted, exc)
+            return
+        self._requests[request.stream.request_id] = request
+        request.loop.call_soon_threadsafe(_resolve, accepted, None)
+        if self.metrics is not None:
+            self.metrics.on_added(len(token_ids))
+            self.metrics.on_step(self.engine)
+
+    def _abort(self, request_id: str, reason: str, error: str | None = None) -> None:
+        request = self._requests.pop(request_id, None)
+        self.engine.abort(request_id)
+        if request is not None:
+            self._send(request, StreamEvent("", 0), finish_reason=reason, error=error)
+            if self.metrics is not None:
+                self.metrics.on_step(self.engine)  # the freed blocks show at once, even if no step follows
+
+    def _deliver(self, output, now: float) -> None:
+        request = self._requests.get(output.request_id)
+        if request is None:
+            return
+        num_new = len(output.new_token_ids)
+        request.num_output_tokens += num_new
+        if self.metrics is not None:
+            ttft = now - request.arrival if request.last_token_time is None else None
+            itl = None if request.last_token_time is None else now - request.last_token_time
+            self.metrics.on_tokens(num_new, ttft, itl)
+        request.last_token_time = now
+        delta = request.detokenizer.push(output.new_token_ids)
+        event = StreamEvent(delta.text, num_new, num_cached_tokens=output.num_cached_tokens)
+        if delta.stopped:
+            self._requests.pop(output.request_id)
+            self.engine.abort(output.request_id)  # no-op when this step also finished it
+            self._send(request, event, finish_reason="stop")
+        elif output.finished:
+            self._requests.pop(output.request_id)
+            event.text += request.detokenizer.finish().text
+            self._send(request, event, finish_reason=output.finish_reason.value, error=output.error)
+        else:
+            self._send(request, event)
+
+    def _send(self, request: _Request, event: StreamEvent, finish_reason: str | None = None,
+              error: str | None = None) -> None:
+        event.num_prompt_tokens = request.stream.num_prompt_tokens
+        event.num_output_tokens = request.num_output_tokens
+        if finish_reason is not None:
+            event.finished, event.finish_reason, event.error = True, finish_reason, error
+            if self.metrics is not None:
+                self.metrics.on_finished(finish_reason, time.perf_counter() - request.arrival)
+        try:
+            request.loop.call_soon_threadsafe(request.stream._queue.put_nowait, event)
+        except RuntimeError:  # the event loop is gone (server shut down): nobody is listening
+            pass
+
+
+def _resolve(future: asyncio.Future, exc: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled meanwhile
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)

@@ -1,0 +1,53 @@
+"""Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every refusal of the server is an :class:`APIError` raised before any engine work; the app turns it (and
+Starlette's own 404/405) into that body, so clients (the ``openai`` SDK's ``BadRequestError`` etc.) read the
+message and the field that was wrong.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error",
+          503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """A request the server refuses.
+
+    Args:
+        status: HTTP status (400 bad input, 401 bad API key, 404 no such route, 413 body too large, ...).
+        message: what was wrong and how to fix it.
+        param: the request field at fault, or None.
+        code: a short machine-readable code ("invalid_value", "model_not_found", "context_length_exceeded", ...).
+    """
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "internal_server_error")
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def http_error(status: int, detail: str | None = None) -> APIError:
+    """An APIError for a plain HTTP status (Starlette's 404 / 405)."""
+    phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
+    return APIError(status, detail if detail and detail != phrase else phrase, code=phrase.lower().replace(" ", "_"))

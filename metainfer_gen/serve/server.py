@@ -1,0 +1,196 @@
+"""Start the OpenAI-compatible server: load the LLM, build the app, run uvicorn (in the foreground, or in a thread).
+
+    from metainfer_gen.serve.server import ServeConfig, LLMServer
+    with LLMServer.start(ServeConfig(port=0)) as server:      # the embedded LLM on a free loopback port
+        print(server.base_url)                                 # http://127.0.0.1:PORT/v1
+    LLMServer.run_forever(ServeConfig(port=8000))              # what `metainfer-gen serve` does
+
+The port is bound first (a taken port fails at once, before minutes of loading) but listens only once the model
+is loaded, so no client ever reaches a half-started server.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from metainfer_gen.serve.app import AppSettings
+from metainfer_gen.serve.http_io import DEFAULT_MAX_BODY_BYTES
+
+INSTALL_HINT = "pip install 'metainfer-gen[serve]'"
+
+
+def require_serve_dependencies() -> None:
+    """Raises:
+        ImportError: fastapi, uvicorn or prometheus-client is missing, naming them and ``INSTALL_HINT``.
+    """
+    missing = [name for name, module in (("fastapi", "fastapi"), ("uvicorn", "uvicorn"),
+                                         ("prometheus-client", "prometheus_client"))
+               if importlib.util.find_spec(module) is None]
+    if missing:
+        raise ImportError(f"the server needs {', '.join(missing)}: run {INSTALL_HINT}")
+
+
+@dataclass(slots=True)
+class ServeConfig:
+    """How to serve.
+
+    Args:
+        llm: checkpoint directory or hub id; None serves the embedded demo LLM.
+        host: interface to bind; the loopback default keeps the server private (give 0.0.0.0 to share it).
+        port: TCP port; 0 picks a free one (see ``LLMServer.port``).
+        api_key: when set, clients must send ``Authorization: Bearer <api_key>``.
+        max_num_seqs: requests decoded at once (the batch); more wait in the queue.
+        max_body_bytes: largest accepted request body (413 above).
+        served_model_name: the ``model`` name clients use; default the checkpoint folder's name.
+        engine: further :class:`~metainfer_gen.llm.config.EngineConfig` fields (``num_kv_blocks``,
+            ``max_model_len``, ``device``, ``dtype``, ...).
+    Raises:
+        ValueError: a port outside [0, 65535], or non-positive limits.
+    """
+
+    llm: str | Path | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_num_seqs: int = 64
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    served_model_name: str | None = None
+    engine: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535]; got {self.port}")
+        if self.max_num_seqs < 1 or self.max_body_bytes < 1:
+            raise ValueError(f"max_num_seqs and max_body_bytes must be >= 1; got {self.max_num_seqs}, "
+                             f"{self.max_body_bytes}")
+
+
+class LLMServer:
+    """A loaded engine, its async front and app, and the uvicorn server running them."""
+
+    def __init__(self, config: ServeConfig, front, app, model_name: str, sock: socket.socket):
+        self.config = config
+        self.front = front
+        self.app = app
+        self.model_name = model_name
+        self._socket = sock
+        self._uvicorn = None
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def load(cls, config: ServeConfig) -> "LLMServer":
+        """Bind the port, load the model, build the app, then listen (uvicorn accepts once it runs).
+
+        Raises:
+            ImportError: the serve extra is missing. OSError: the address is taken or not this machine's.
+            FileNotFoundError / ValueError: bad checkpoint or settings.
+        """
+        require_serve_dependencies()
+        AppSettings("x", config.api_key, config.max_body_bytes)  # check the key and limits before loading
+        sock = bind_socket(config.host, config.port)
+        try:
+            server = cls._load(config, sock)
+        except BaseException:
+            sock.close()
+            raise
+        sock.listen(2048)  # connections queue from here on, even before uvicorn accepts
+        return server
+
+    @classmethod
+    def _load(cls, config: ServeConfig, sock: socket.socket) -> "LLMServer":
+        from metainfer_gen.pipelines.text_generation import TextGenerationPipeline, default_llm_dir
+        from metainfer_gen.serve.app import build_app
+        from metainfer_gen.serve.async_engine import AsyncLLMEngine
+        from metainfer_gen.serve.metrics import ServerMetrics
+
+        path = Path(config.llm) if config.llm is not None else default_llm_dir()
+        name = config.served_model_name or (path.name if path.exists() else str(config.llm))
+        pipe = TextGenerationPipeline.from_pretrained(config.llm, max_num_seqs=config.max_num_seqs, **config.engine)
+        metrics = ServerMetrics(name)
+        front = AsyncLLMEngine(pipe.engine, metrics)
+        app = build_app(front, metrics, AppSettings(name, config.api_key, config.max_body_bytes))
+        return cls(config, front, app, name, sock)
+
+    def _uvicorn_server(self, log_level: str):
+        import uvicorn
+
+        return uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, access_log=log_level == "info",
+                                             timeout_graceful_shutdown=2))
+
+    @property
+    def port(self) -> int:
+        """The bound port (the one picked when the config said 0)."""
+        return self._socket.getsockname()[1]
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
+        return f"http://{host}:{self.port}/v1"
+
+    # -- running ----------------------------------------------------------------------------------------------
+    @classmethod
+    def run_forever(cls, config: ServeConfig, log_level: str = "info") -> None:
+        """Load, bind and serve until Ctrl-C / SIGTERM (uvicorn's signal handling), then close the engine."""
+        server = cls.load(config)
+        print(f"serving {server.model_name!r} on {server.base_url} (OpenAI API; /health, /metrics)", flush=True)
+        try:
+            server._uvicorn_server(log_level).run(sockets=[server._socket])
+        finally:
+            server.close()
+
+    @classmethod
+    def start(cls, config: ServeConfig, timeout_s: float = 60.0, log_level: str = "warning") -> "LLMServer":
+        """Load, then serve from a background thread; returns once the port answers.
+
+        Raises:
+            TimeoutError: uvicorn did not start within ``timeout_s`` seconds.
+        """
+        server = cls.load(config)
+        server._uvicorn = server._uvicorn_server(log_level)
+        server._thread = threading.Thread(target=server._uvicorn.run, kwargs={"sockets": [server._socket]},
+                                          name="uvicorn", daemon=True)
+        server._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not server._uvicorn.started:
+            if time.monotonic() > deadline or not server._thread.is_alive():
+                server.close()
+                raise TimeoutError(f"the server did not start within {timeout_s} s")
+            time.sleep(0.02)
+        return server
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop uvicorn (when started here) and the engine thread; idempotent."""
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+            if self._thread is not None:
+                self._thread.join(timeout_s)
+            self._uvicorn = None
+        self.front.close()
+        self._socket.close()
+
+    def __enter__(self) -> "LLMServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (IPv6 when ``host`` has a colon), not yet listening.
+
+    Raises:
+        OSError: the port is taken, or ``host`` is not an address of this machine.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock

@@ -1,0 +1,82 @@
+"""``metainfer-gen serve`` as a real process: loopback by default, the API key, a clean stop on SIGTERM."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from metainfer_gen.apps.cli import main
+from tests.serve.conftest import MODEL
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def cli_server():
+    """(process, base URL) of ``serve --port 0 --api-key secret``; terminated at teardown."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "metainfer_gen.apps.cli", "serve", "--port", "0", "--api-key",
+                             "secret", "--num-kv-blocks", "64", "--max-num-seqs", "8", "--log-level", "warning"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, url = time.monotonic() + 60, None
+        while url is None and time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+            found = re.search(r"on (http://\S+/v1)", line)
+            url = found.group(1) if found else None
+        assert url is not None, f"the server did not start (exit code {proc.poll()})"
+        yield proc, url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def test_cli_serves_on_loopback_with_an_api_key(cli_server):
+    proc, url = cli_server
+    assert url.startswith("http://127.0.0.1:")
+    for headers, words in (({}, "missing API key"), ({"authorization": "Bearer wrong"}, "incorrect API key"),
+                           ({"authorization": "Basic secret"}, "missing API key")):
+        r = httpx.post(url + "/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, headers=headers)
+        assert r.status_code == 401 and words in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(url.removesuffix("/v1") + "/health").status_code == 200  # probes need no key
+    with openai.OpenAI(base_url=url, api_key="secret", max_retries=0, timeout=30) as client:
+        out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
+        assert out.usage.completion_tokens >= 1 and out.model == MODEL
+        assert [m.id for m in client.models.list().data] == [MODEL]
+    proc.terminate()
+    # uvicorn shuts down gracefully, then re-raises the signal it caught: the exit status is SIGTERM's
+    assert proc.wait(15) in (0, -15)
+
+
+def test_cli_names_the_extra_when_uvicorn_is_missing(monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    assert main(["serve", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "uvicorn" in err and "pip install 'metainfer-gen[serve]'" in err
+
+
+def test_cli_rejects_bad_flags_before_loading(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--port", "70000"])
+    assert "[0, 65535]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--max-num-seqs", "0"])
+    assert main(["serve", "--api-key", " ", "--port", "0"]) == 2
+    assert "api_key" in capsys.readouterr().err
