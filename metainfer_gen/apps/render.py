@@ -26,6 +26,7 @@ import re
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -293,6 +294,27 @@ class Shard:
             self.sync()
 
 
+@contextlib.contextmanager
+def _recorded_warnings(record: dict[str, Any], line: int | None):
+    """Put the ``UserWarning`` messages raised inside into ``record["warnings"]`` (e.g. a negative prompt that
+    had no effect) and on the terminal with the job's ``line`` (None: not printed); other warnings pass on."""
+    from tqdm.auto import tqdm
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UserWarning)  # every job's, not only the first of a batch
+            yield
+    finally:  # a failed call's warnings are recorded too
+        for item in caught:  # after the block: they meet the caller's filters again
+            if not issubclass(item.category, UserWarning):
+                warnings.warn_explicit(item.message, item.category, item.filename, item.lineno)
+        messages = list(dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, UserWarning)))
+        if messages:
+            record["warnings"] = messages
+        for message in messages if line is not None else ():
+            tqdm.write(f"line {line}: warning: {message}", file=sys.stderr)
+
+
 @dataclass(slots=True)
 class BatchSummary:
     """Counts of one batch run: rendered now, skipped (finished earlier), failed."""
@@ -363,10 +385,11 @@ def render_batch(
             reports = use_loras(pipe, job.loras)
             for entry, report in zip(record.get("loras", []), reports):
                 entry.update(adapter=report.adapter_name, modules=len(report.modules), skipped=report.num_skipped)
-            if job.image is None:
-                output = pipe(job.prompt, seed=job.seed, **job.call)
-            else:
-                output = pipe(job.image, job.prompt, seed=job.seed, **job.call)
+            with _recorded_warnings(record, job.line if shard.writes else None):
+                if job.image is None:
+                    output = pipe(job.prompt, seed=job.seed, **job.call)
+                else:
+                    output = pipe(job.image, job.prompt, seed=job.seed, **job.call)
             if shard.writes:
                 output.save(out_dir / record["path"], fps=fps)
             record.update(status="ok", settings=output.settings, stats=output.stats.to_dict())

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from metainfer_gen.pipelines.loading import IMAGE_TO_VIDEO
+from metainfer_gen.pipelines.negative_prompt import used_negative_prompt
 from metainfer_gen.pipelines.video_base import VideoPipelineBase
 from metainfer_gen.video.images import fit_image, load_image
 from metainfer_gen.video.output import VideoOutput
@@ -15,7 +16,8 @@ class ImageToVideoPipeline(VideoPipelineBase):
 
     Wraps a diffusers image-to-video pipeline (Wan 2.1 I2V with or without a CLIP image encoder, Wan 2.2
     TI2V-style models, CogVideoX/LTX/Hunyuan I2V) or the embedded default. The image may be any PIL mode or size:
-    it is converted to RGB (alpha composited on white), centre-cropped to the output aspect ratio and resized.
+    it is converted to RGB (alpha composited on white; 16-bit and float grayscale scaled to 8 bits, see
+    ``video.images.to_8_bit``), centre-cropped to the output aspect ratio and resized.
     Example::
 
         i2v = pipelines.ImageToVideoPipeline.from_pretrained()
@@ -43,7 +45,8 @@ class ImageToVideoPipeline(VideoPipelineBase):
 
         Args:
             image: path, ``PIL.Image`` or uint8 array (H, W[, C]).
-            prompt: text describing the motion. Other arguments as in :class:`TextToVideoPipeline`.
+            prompt: text describing the motion. Other arguments as in :class:`TextToVideoPipeline` (a
+                ``negative_prompt`` at ``guidance_scale <= 1`` is ignored with a warning and recorded as None).
         Returns:
             A :class:`VideoOutput`; ``settings["image_size"]`` is the (width, height) the image was fitted to.
         Raises:
@@ -54,6 +57,8 @@ class ImageToVideoPipeline(VideoPipelineBase):
         values = self.resolve(prompt=prompt, num_frames=num_frames, height=height, width=width,
                               num_inference_steps=num_inference_steps, guidance_scale=guidance_scale)
         picture = fit_image(load_image(image), values["height"], values["width"])
+        negative_prompt = used_negative_prompt(self.diffusers_pipeline, negative_prompt, values["guidance_scale"],
+                                               kwargs)
         settings = {"task": self.task, "prompt": prompt, "negative_prompt": negative_prompt, "seed": seed,
                     "image_size": list(picture.size), **values}
         call = {"image": picture, "prompt": prompt, "negative_prompt": negative_prompt, **values, **kwargs}

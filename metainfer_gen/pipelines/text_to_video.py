@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from metainfer_gen.pipelines.loading import TEXT_TO_VIDEO
+from metainfer_gen.pipelines.negative_prompt import used_negative_prompt
 from metainfer_gen.pipelines.video_base import VideoPipelineBase
 from metainfer_gen.video.output import VideoOutput
 
@@ -42,7 +43,8 @@ class TextToVideoPipeline(VideoPipelineBase):
 
         Args:
             prompt: text, or a list for a batch.
-            negative_prompt: what to steer away from (used when ``guidance_scale > 1``).
+            negative_prompt: what to steer away from. Used only when ``guidance_scale > 1``; otherwise ignored
+                with a ``UserWarning`` and recorded as None in ``settings``.
             num_frames: frames to render; must fit the family's rule (``k*4+1`` for Wan).
             height, width: pixels; multiples of the family's spatial grid (16 for Wan).
             num_inference_steps: denoising steps. guidance_scale: classifier-free guidance weight (1 disables).
@@ -55,6 +57,8 @@ class TextToVideoPipeline(VideoPipelineBase):
         """
         values = self.resolve(prompt=prompt, num_frames=num_frames, height=height, width=width,
                               num_inference_steps=num_inference_steps, guidance_scale=guidance_scale)
+        negative_prompt = used_negative_prompt(self.diffusers_pipeline, negative_prompt, values["guidance_scale"],
+                                               kwargs)
         settings = {"task": self.task, "prompt": prompt, "negative_prompt": negative_prompt, "seed": seed, **values}
         outputs = self._run({"prompt": prompt, "negative_prompt": negative_prompt, **values, **kwargs},
                             settings, seed, generator)

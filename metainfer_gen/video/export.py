@@ -1,4 +1,4 @@
-"""Write clips to MP4 (H.264, yuv420p, faststart), GIF or a folder of PNG frames through imageio, atomically.
+"""Write clips to MP4 (H.264, yuv420p, faststart; imageio), GIF (:mod:`.gif`) or a folder of PNG frames, atomically.
 
 A clip appears under its final name complete or not at all: every writer writes to a temporary sibling and
 renames it into place (``os.replace`` is atomic on one file system), so a crash mid-write never leaves a
@@ -7,6 +7,8 @@ truncated file that a resumed batch render would take for a finished one.
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import shutil
 import tempfile
@@ -63,21 +65,26 @@ def save_video(frames: np.ndarray, path: str | os.PathLike, fps: float = 8.0) ->
 
     Args:
         frames: uint8 (F, H, W, 3).
-        path: ``*.mp4`` (H.264 yuv420p with the moov atom first, playable in browsers), ``*.gif`` (loops), or a
+        path: ``*.mp4`` (H.264 yuv420p with the moov atom first, playable in browsers), ``*.gif`` (loops; keeps
+            every frame, identical ones too; delays in whole centiseconds, see ``video.gif.gif_delays``), or a
             path without a suffix, which becomes a folder of ``frame_00000.png``... files.
-        fps: frames per second, > 0.
+        fps: frames per second, a finite number > 0.
     Returns:
         The path written.
     Raises:
-        ValueError: unknown suffix, fps <= 0, or bad frames (see :func:`check_frames`).
+        ValueError: unknown suffix, fps not a finite number > 0 (or too low for a GIF's delays), or bad frames
+            (see :func:`check_frames`); all checked before anything is written.
     """
     import imageio.v2 as imageio
 
+    from metainfer_gen.video.gif import gif_delays, write_gif
+
     frames = check_frames(frames)
-    if fps <= 0:
-        raise ValueError(f"fps must be > 0; got {fps}")
+    if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not math.isfinite(fps) or fps <= 0:
+        raise ValueError(f"fps must be a finite number > 0 (e.g. 8 or 24); got {fps!r}")
     path = check_output_path(path)
     suffix = path.suffix.lower()
+    delays = gif_delays(len(frames), fps) if suffix == ".gif" else None
     path.parent.mkdir(parents=True, exist_ok=True)
     if not suffix:
         tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
@@ -106,7 +113,7 @@ def save_video(frames: np.ndarray, path: str | os.PathLike, fps: float = 8.0) ->
                 for frame in _pad_even(frames):
                     writer.append_data(frame)
         else:
-            imageio.mimsave(tmp_name, list(frames), format="GIF", duration=1000.0 / fps, loop=0)
+            write_gif(frames, tmp_name, delays)  # not imageio's: Pillow's writer merges identical frames
         os.replace(tmp_name, path)
     finally:
         if os.path.exists(tmp_name):

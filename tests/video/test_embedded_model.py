@@ -69,3 +69,26 @@ def test_image_to_video_keeps_the_first_frame_and_moves_it(t2v):
     out = i2v(image, "the purple square moves up", seed=2)
     assert psnr(out.frames[0], image) >= 20.0  # VAE round trip of the image; 20.4-28 dB measured on held-out images
     assert not np.array_equal(out.frames[0], out.frames[-1])
+
+
+def test_image_to_video_keeps_the_brightness_of_a_16_bit_png(t2v, tmp_path):
+    from PIL import Image
+
+    from metainfer_gen import pipelines
+    from demo_models.video import data
+    from metainfer_gen.video.quality import psnr
+
+    i2v = pipelines.ImageToVideoPipeline.from_pipe(t2v)
+    image = data.first_frame(data.sample_spec(("blue", "circle", "left"), 17, 64, _generator(4)), 64)
+    gray = np.asarray(Image.fromarray(image).convert("L"))
+    Image.fromarray(gray.astype(np.uint16) * 257).save(tmp_path / "deep.png")  # 16-bit grayscale, mode I;16
+    out = i2v(tmp_path / "deep.png", "the blue circle moves left", num_inference_steps=8, seed=0)
+    reference = np.repeat(gray[..., None], 3, axis=2)
+    assert abs(float(out.frames[0].mean()) - float(gray.mean())) <= 10.0, (out.frames[0].mean(), gray.mean())
+    assert psnr(out.frames[0], reference) >= 18.0
+
+
+def _generator(seed: int):
+    import torch
+
+    return torch.Generator().manual_seed(seed)

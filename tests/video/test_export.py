@@ -94,6 +94,46 @@ def test_gif_round_trips_and_loops_at_the_asked_rate(tmp_path):
         assert gif.info["duration"] == pytest.approx(100, abs=10)  # ms per frame; GIF stores centiseconds
 
 
+def _gif_durations_ms(path: Path) -> list[int]:
+    """Each frame's display time as stored in the file (ms; GIF stores centiseconds)."""
+    from PIL import Image, ImageSequence
+
+    with Image.open(path) as gif:
+        return [frame.info["duration"] for frame in ImageSequence.Iterator(gif)]
+
+
+def test_gif_keeps_every_frame_of_a_static_clip(tmp_path):
+    frame = random_frames(1, 16, 24, seed=5)[0]
+    frames = np.repeat(frame[None], 48, axis=0)
+    path = save_video(frames, tmp_path / "still.gif", fps=24)
+
+    back = read_video(path)
+    assert back.shape[0] == 48, f"read back {back.shape[0]} frames of 48"
+    assert len(_gif_durations_ms(path)) == 48
+    held = frames.copy()
+    held[10:20] = frames[0] // 2  # a run of identical frames inside a moving clip keeps its length too
+    assert read_video(save_video(held, tmp_path / "held.gif", fps=24)).shape[0] == 48
+
+
+@pytest.mark.parametrize("num_frames, fps", [(48, 24.0), (17, 8.0), (81, 16.0), (30, 30.0), (7, 12.5), (5, 3.0)])
+def test_gif_total_duration_is_num_frames_over_fps(tmp_path, num_frames, fps):
+    path = save_video(random_frames(num_frames, 8, 8, seed=num_frames), tmp_path / "clip.gif", fps=fps)
+
+    durations = _gif_durations_ms(path)
+    assert len(durations) == num_frames
+    assert abs(sum(durations) - 1000.0 * num_frames / fps) <= 10.0, (sum(durations), durations[:6])
+    # Each frame within a centisecond of 1/fps: the rounding is spread, not piled on one frame.
+    assert all(abs(d - 1000.0 / fps) <= 10.0 for d in durations), durations
+
+
+@pytest.mark.parametrize("name", ["clip.mp4", "clip.gif", "frames"])
+@pytest.mark.parametrize("fps", [float("nan"), float("inf"), float("-inf"), 0.0, -8.0])
+def test_non_finite_or_non_positive_fps_raises_before_any_work(tmp_path, name, fps):
+    with pytest.raises(ValueError, match="fps"):
+        save_video(random_frames(3, 8, 8), tmp_path / "out" / name, fps=fps)
+    assert not (tmp_path / "out").exists()
+
+
 def test_png_folder_round_trips_exactly(tmp_path):
     frames = random_frames(4, 20, 30, seed=11)
     path = save_video(frames, tmp_path / "frames", fps=8)
@@ -158,11 +198,10 @@ def test_a_crash_mid_write_keeps_the_old_output_and_leaves_no_temporaries(tmp_pa
 
         monkeypatch.setattr(imageio, "get_writer", get_writer)
     elif name == "clip.gif":
-        def mimsave(uri, *args, **kwargs):
-            Path(uri).write_bytes(b"GIF89a truncated")
-            raise _Boom("simulated crash mid-write")
+        from PIL import GifImagePlugin
 
-        monkeypatch.setattr(imageio, "mimsave", mimsave)
+        # The third frame's encoding fails: the header and two frames are already in the file.
+        monkeypatch.setattr(GifImagePlugin, "getdata", _failing_after(3, GifImagePlugin.getdata))
     else:
         monkeypatch.setattr(imageio, "imwrite", _failing_after(3, imageio.imwrite))
 

@@ -188,3 +188,67 @@ def test_fit_of_the_same_aspect_only_resizes():
     halved = as_array(fit_image(image, 16, 32))
     expected = as_array(image.resize((32, 16), Image.LANCZOS))
     np.testing.assert_array_equal(halved, expected)
+
+
+# High-bit-depth images: scaled to 8 bits by their bit depth, never clipped to white (I;16 and I: 0..65535 -> 0..255;
+# F: 0..1 -> 0..255 when it lies in [0, 1], else its own range from min(0, its minimum) to its maximum).
+def gradient16(height: int = 24, width: int = 40, high: int = 20_000) -> np.ndarray:
+    """uint16 pixels in 0..high, mean about high / 2: far above 255, where a plain 8-bit conversion clips."""
+    ramp = np.linspace(0, high, height * width).reshape(height, width)
+    return np.random.default_rng(13).permutation(ramp.ravel()).reshape(height, width).round().astype(np.uint16)
+
+
+def test_16_bit_png_is_scaled_by_its_bit_depth(tmp_path):
+    pixels = gradient16()
+    Image.fromarray(pixels).save(tmp_path / "deep.png")  # mode I;16
+    with Image.open(tmp_path / "deep.png") as opened:
+        assert opened.mode == "I;16"
+    out = as_array(load_image(tmp_path / "deep.png")).astype(np.float64)
+    expected = pixels / 257.0  # 65535 -> 255
+    assert abs(out.mean() - expected.mean()) <= 0.5, (out.mean(), expected.mean())
+    assert np.abs(out[..., 0] - expected).max() <= 0.5 and (out[..., 0] == out[..., 2]).all()
+    fitted = as_array(fit_image(load_image(tmp_path / "deep.png"), 16, 16)).astype(np.float64)
+    assert abs(fitted.mean() - expected.mean()) <= 3.0, (fitted.mean(), expected.mean())
+
+
+def test_32_bit_integer_image_is_scaled_from_16_bits():
+    pixels = gradient16(high=60_000)
+    image = Image.fromarray(pixels.astype(np.int32))
+    assert image.mode == "I"
+    out = as_array(load_image(image)).astype(np.float64)
+    assert np.abs(out[..., 1] - pixels / 257.0).max() <= 0.5
+
+
+def test_32_bit_integer_image_beyond_16_bits_uses_its_own_range():
+    pixels = gradient16(high=50_000).astype(np.int32) * 4  # up to 200000: more than 16 bits
+    out = as_array(load_image(Image.fromarray(pixels))).astype(np.float64)
+    assert np.abs(out[..., 0] - pixels * 255.0 / pixels.max()).max() <= 0.5
+
+
+@pytest.mark.parametrize("from_file", [False, True])
+def test_float_image_in_0_1_is_scaled_to_255(tmp_path, from_file):
+    pixels = gradient16().astype(np.float32) / 65535.0 * 2.5  # 0..0.76
+    image = Image.fromarray(pixels)
+    assert image.mode == "F"
+    if from_file:
+        image.save(tmp_path / "float.tiff")
+        image = tmp_path / "float.tiff"
+    out = as_array(load_image(image)).astype(np.float64)
+    assert abs(out.mean() - 255.0 * pixels.mean()) <= 0.5
+    assert np.abs(out[..., 2] - 255.0 * pixels).max() <= 0.5
+
+
+def test_float_image_beyond_1_uses_its_own_range():
+    pixels = gradient16().astype(np.float32) / 1000.0  # 0..20: not a 0..1 image
+    out = as_array(load_image(Image.fromarray(pixels))).astype(np.float64)
+    assert np.abs(out[..., 0] - 255.0 * pixels / pixels.max()).max() <= 0.5
+    signed = pixels - 5.0  # -5..15: the minimum maps to black
+    out = as_array(load_image(Image.fromarray(signed))).astype(np.float64)
+    assert np.abs(out[..., 0] - 255.0 * (signed + 5.0) / 20.0).max() <= 0.5
+
+
+def test_float_image_with_nan_raises_value_error():
+    pixels = np.zeros((4, 4), np.float32)
+    pixels[1, 2] = np.nan
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        load_image(Image.fromarray(pixels))

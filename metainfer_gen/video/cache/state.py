@@ -22,12 +22,8 @@ from metainfer_gen.video.cache.stats import StepCacheStats
 Parts = tuple[torch.Tensor, "torch.Tensor | None"]  # (image-token tensor, text-token tensor or None)
 
 
-def relative_l1(new: torch.Tensor, old: torch.Tensor) -> float:
-    """mean|new - old| / mean|old|, in float32 (one host sync)."""
-    return float(_relative_l1(new, old))
-
-
 def _relative_l1(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """mean|new - old| / mean|old| in float32, as a 0-d tensor (no host sync)."""
     new, old = _one_of_each_repeat(new, old)
     old32 = old.float()
     return (new.float() - old32).abs().mean() / old32.abs().mean().clamp_min(1e-12)
