@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from metainfer_gen import __version__
-from metainfer_gen.apps.video_args import add_video_model_arguments, load_options
+from metainfer_gen.apps.video_args import add_video_model_arguments, apply_model_options, load_options
 
 
 def _positive_int(text: str) -> int:
@@ -126,8 +126,7 @@ def _pipeline_factory(args: argparse.Namespace) -> Callable[[str], Any]:
             # Cached only once loaded: a failed load is retried (and reports its own error) for the next clip.
             if pipe is None:
                 pipe = cls.from_pretrained(args.model, device=args.device, **options)
-                if args.fused_kernels:
-                    pipe.enable_fused_kernels()
+                apply_model_options(pipe, args)
                 pipe.enable_step_cache(args.cache, calibration=args.cache_calibration)
                 if args.cfg_parallel:
                     pipe.enable_cfg_parallel()

@@ -20,7 +20,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from metainfer_gen.apps.demo_limits import DemoLimits, list_loras
-from metainfer_gen.apps.video_args import add_video_model_arguments, load_options
+from metainfer_gen.apps.video_args import add_video_model_arguments, apply_model_options, load_options
 
 DEFAULT_PORT = 7860
 
@@ -109,12 +109,10 @@ def load_backend(args: argparse.Namespace, output_dir: Path):
     if lora_dir is not None and not list_loras(lora_dir):  # a missing folder raises here, before loading
         notes.append(f"No LoRA control: {lora_dir} holds no .safetensors or .bin file")
     t2v = pipelines.TextToVideoPipeline.from_pretrained(args.model, device=args.device, **options)
-    if args.fused_kernels:
-        t2v.enable_fused_kernels()
+    apply_model_options(t2v, args)
     if args.i2v_model:
         i2v = pipelines.ImageToVideoPipeline.from_pretrained(args.i2v_model, device=args.device, **options)
-        if args.fused_kernels:
-            i2v.enable_fused_kernels()
+        apply_model_options(i2v, args)
     else:
         try:
             i2v = pipelines.ImageToVideoPipeline.from_pipe(t2v)  # same weights, no second load

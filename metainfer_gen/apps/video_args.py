@@ -7,7 +7,8 @@ from typing import Any
 
 
 def add_video_model_arguments(p: argparse.ArgumentParser) -> None:
-    """``--dtype``, ``--vae-dtype`` and ``--fused-kernels`` (read back with :func:`load_options`)."""
+    """``--dtype``, ``--vae-dtype``, ``--fused-kernels`` and ``--no-embed-memo`` (read back with
+    :func:`load_options` and :func:`apply_model_options`)."""
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weights dtype (default float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--vae-dtype", choices=("float32", "bfloat16"), default=None,
@@ -15,6 +16,9 @@ def add_video_model_arguments(p: argparse.ArgumentParser) -> None:
                         "native bf16 ('metainfer-gen doctor' says), 57-62 dB from float32 on the embedded model")
     p.add_argument("--fused-kernels", action="store_true",
                    help="swap the registry kernels into the video transformer and the VAE")
+    p.add_argument("--no-embed-memo", dest="embed_memo", action="store_false",
+                   help="do not reuse the condition embedder's exact outputs within a call (the memo is lossless "
+                        "and on by default where the model has Wan's condition embedder)")
 
 
 def load_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -23,3 +27,15 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
 
     return {"torch_dtype": getattr(torch, args.dtype) if args.dtype else None,
             "vae_dtype": getattr(torch, args.vae_dtype) if args.vae_dtype else None}
+
+
+def apply_model_options(pipe, args: argparse.Namespace) -> None:
+    """The accelerators the options ask for, on a freshly loaded pipeline: fused kernels first (innermost), then
+    the embed memo (skipped without a word on a model that has no Wan condition embedder: it is a default)."""
+    if args.fused_kernels:
+        pipe.enable_fused_kernels()
+    if args.embed_memo:
+        try:
+            pipe.enable_embed_memo()
+        except ValueError:
+            pass  # not a Wan-style embedder: nothing to memoise, the model runs as it is
