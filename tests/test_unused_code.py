@@ -22,8 +22,8 @@ def _python_files() -> list[Path]:
 
 def _public_definitions(path: Path) -> list[str]:
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-    return [node.name for node in tree.body
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not node.name.startswith("_")]
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return [node.name for node in tree.body if isinstance(node, kinds) and not node.name.startswith("_")]
 
 
 def test_every_public_top_level_function_and_class_is_used():

@@ -11,10 +11,12 @@ from PIL import Image
 
 from metainfer_gen.apps.demo_backend import DemoBackend, cache_choices
 from metainfer_gen.apps.demo_limits import DemoLimits, InputError
+from metainfer_gen.video.cache.config import PRESET_MIN_INFERENCE_STEPS
 from metainfer_gen.video.export import read_video
 
 SMALL = dict(num_frames=5, height=32, width=32, num_inference_steps=4, guidance_scale=1.0, seed=0)
 PROMPT = "a red circle moving right"
+MAX_STEPS = PRESET_MIN_INFERENCE_STEPS  # the presets reuse from there on
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +28,7 @@ def backend(tiny_wan_dir, tmp_path_factory):
     for pipe in (t2v, i2v):
         pipe.set_progress_bar_config(disable=True)
     return DemoBackend(t2v=t2v, i2v=i2v, llm=None, output_dir=tmp_path_factory.mktemp("clips"),
-                       limits=DemoLimits(max_frames=9, max_size=64, max_steps=8))
+                       limits=DemoLimits(max_frames=9, max_size=64, max_steps=MAX_STEPS))
 
 
 def t2v(backend, cache="off", progress=None, **overrides):
@@ -49,14 +51,21 @@ def test_a_clip_is_written_as_mp4_with_stats_and_progress(backend):
 
 
 def test_a_cached_run_reports_reuse_and_speedup_against_the_uncached_run_of_the_same_settings(backend):
-    t2v(backend, cache="off", seed=1)
-    fast = t2v(backend, cache="fast", seed=2)  # another seed and prompt-independent key: same settings
+    steps = PRESET_MIN_INFERENCE_STEPS
+    t2v(backend, cache="off", seed=1, num_inference_steps=steps)
+    fast = t2v(backend, cache="fast", seed=2, num_inference_steps=steps)  # another seed: the same settings
     lines = fast.stats_text.splitlines()
     assert any(line.startswith("step cache fast: ") and "transformer calls reused" in line for line in lines)
     speed = [line for line in lines if line.startswith("speedup ")]
     assert speed and "x against the last uncached run of these settings" in speed[0]
-    other = t2v(backend, cache="fast", num_frames=9)  # different settings: nothing to compare with yet
+    other = t2v(backend, cache="fast", num_frames=9, num_inference_steps=steps)  # nothing to compare with yet
     assert "speedup: no uncached run of these settings yet" in other.stats_text
+
+
+def test_a_preset_below_its_floor_says_it_stood_aside(backend):
+    few = t2v(backend, cache="fast", num_inference_steps=4)
+    assert f"step cache fast: stood aside (num_inference_steps=4 is below min_inference_steps=" \
+           f"{PRESET_MIN_INFERENCE_STEPS}" in few.stats_text
 
 
 def test_baseline_policies_report_block_evaluations(backend):
@@ -89,7 +98,8 @@ def test_images_of_any_mode_and_size_are_fitted_and_the_size_reported(backend, m
 @pytest.mark.parametrize("overrides, words", [
     (dict(num_frames=13), "num_frames=13 is outside this demo's range 1..9"),
     (dict(height=128), "height=128 is outside this demo's range 1..64"),
-    (dict(num_inference_steps=9), "num_inference_steps=9 is outside this demo's range 1..8"),
+    (dict(num_inference_steps=MAX_STEPS + 1),
+     f"num_inference_steps={MAX_STEPS + 1} is outside this demo's range 1..{MAX_STEPS}"),
     (dict(num_frames=6), "num_frames=6 is not valid for WanPipeline: it must be k\\*4\\+1"),
     (dict(width=40), "width=40 is not valid for WanPipeline"),
 ])

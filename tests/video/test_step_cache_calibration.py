@@ -9,6 +9,7 @@ import pytest
 
 from metainfer_gen.video.cache import StepCacheConfig
 from metainfer_gen.video.cache.calibration import FILE_NAME, Calibration, Curve, fit, load
+from metainfer_gen.video.cache.config import PRESET_MIN_INFERENCE_STEPS
 from metainfer_gen.video.cache.stats import StepCacheStats, StepRecord
 
 CALL = dict(num_frames=5, height=32, width=32, guidance_scale=5.0)
@@ -70,8 +71,8 @@ def test_calibrate_once_then_auto_finds_the_file_beside_the_model(tmp_path, tiny
 
     pipe = TextToVideoPipeline.from_pretrained(model, device="cpu")
     pipe.set_progress_bar_config(disable=True)
-    pipe.enable_step_cache("auto=1000")
-    out = pipe("a red circle moving right", num_inference_steps=8, seed=0, **CALL)
+    pipe.enable_step_cache("auto=1000")  # a preset: it reuses from PRESET_MIN_INFERENCE_STEPS on
+    out = pipe("a red circle moving right", num_inference_steps=PRESET_MIN_INFERENCE_STEPS, seed=0, **CALL)
     cache = out.stats.cache
     assert cache["ratios"] == str(model / FILE_NAME)
     assert cache["num_reused"] > 0

@@ -9,11 +9,13 @@ import pytest
 
 from metainfer_gen.apps.cli import main
 from metainfer_gen.apps.render import MANIFEST
+from metainfer_gen.video.cache.config import PRESET_MIN_INFERENCE_STEPS
 
 
 def _args(model) -> list[str]:
-    return ["--model", str(model), "--device", "cpu", "--steps", "8", "--num-frames", "5", "--height", "32",
-            "--width", "32", "--guidance-scale", "5"]
+    # The presets' floor: "auto=1000" and "fast=1000" reuse from there on.
+    return ["--model", str(model), "--device", "cpu", "--steps", str(PRESET_MIN_INFERENCE_STEPS), "--num-frames", "5",
+            "--height", "32", "--width", "32", "--guidance-scale", "5"]
 
 
 def test_batch_manifest_records_the_cache_stats_of_text_and_image_clips(tmp_path, tiny_wan_dir, capsys):

@@ -29,6 +29,15 @@ PRESETS: dict[str, tuple[float, int]] = {
     "fast": (3.0, 6),
 }
 DEFAULT_PRESET = "balanced"
+# Fewest num_inference_steps at which the named presets reuse at all (StepCacheConfig.min_inference_steps); below it
+# a call computes every step. benchmarks/step_cache_few_steps.py on the embedded model (8 held-out prompts, the
+# shipped calibration, guidance 4; PSNR mean / worst against the uncached clip of the same steps and seed; clips
+# whose colour and direction stayed those of the uncached clip). T2V, 81 frames: auto at 4 steps 19.9 / 18.1 dB, 5
+# of 8 kept; 6 steps 30.0 / 27.4 dB, 8 of 8, but 8 steps 28.3 / 21.4 dB, 6 of 8; from 10 steps on 29.4-33.9 /
+# 24.9-29.8 dB, 8 of 8 (17 frames: 4 steps 2 of 8, 8 steps 6 of 8, 10-16 steps 8 of 8). fast reuses as auto up to 8
+# steps, and from 10 on keeps what it keeps at 20 (25.8-28.9 / 22.9-25.8 dB, 6-8 of 8). I2V, 81 frames: quality's
+# worst clip 12.8-16.1 dB at 4-8 steps, 20.6-24.6 dB from 10 on. One floor for all three.
+PRESET_MIN_INFERENCE_STEPS = 10
 
 
 @dataclass(slots=True)
@@ -80,6 +89,13 @@ class StepCacheConfig:
             without a calibration).
         calibration: a :class:`~metainfer_gen.video.cache.calibration.Calibration` (its ``signal`` must match),
             or None to fit the ratio online.
+        min_inference_steps: fewest ``num_inference_steps`` (>= 1) at which a call reuses at all, or None for no
+            floor. A call with fewer computes every step, exactly as without the cache, and its stats'
+            ``disabled_reason`` names the floor. A few-step schedule takes long steps, so one reused step skips a
+            large stretch of the trajectory. The named presets set :data:`PRESET_MIN_INFERENCE_STEPS`; a config
+            built directly has no floor unless given one (lower it, or pass None, to reuse below the presets'
+            floor at your own risk: ``StepCacheConfig.preset("auto", min_inference_steps=4)``). Independent of it,
+            a call shorter than :meth:`min_steps_for_reuse` has no step to reuse.
     Raises:
         ValueError: a value out of range, with what to use instead.
     Example::
@@ -102,6 +118,7 @@ class StepCacheConfig:
     calibration_momentum: float = 0.5
     signal: str = "input"
     calibration: Any = None
+    min_inference_steps: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.error_budget, bool) or not isinstance(self.error_budget, (int, float)) \
@@ -114,6 +131,9 @@ class StepCacheConfig:
         reference = self.cap_reference_steps
         if reference is not None and (isinstance(reference, bool) or not isinstance(reference, int) or reference < 1):
             raise ValueError(f"cap_reference_steps must be an integer >= 1 or None (a fixed cap); got {reference!r}")
+        floor = self.min_inference_steps
+        if floor is not None and (isinstance(floor, bool) or not isinstance(floor, int) or floor < 1):
+            raise ValueError(f"min_inference_steps must be an integer >= 1 or None (no floor); got {floor!r}")
         for name in ("compute_last_step", "extrapolate", "gate_aware"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
@@ -140,7 +160,9 @@ class StepCacheConfig:
 
     @classmethod
     def preset(cls, name: str = DEFAULT_PRESET, **overrides) -> "StepCacheConfig":
-        """A named setting: ``"quality"``, ``"balanced"`` (what ``"auto"`` means) or ``"fast"``.
+        """A named setting: ``"quality"``, ``"balanced"`` (what ``"auto"`` means) or ``"fast"``, with its
+        :data:`PRESETS` budget and cap and the :data:`PRESET_MIN_INFERENCE_STEPS` floor; ``overrides`` replace
+        fields (``min_inference_steps=None`` lifts the floor).
 
         Raises:
             ValueError: unknown name.
@@ -150,7 +172,9 @@ class StepCacheConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown step-cache preset {name!r}; choose one of {sorted(PRESETS)} or 'auto'")
         budget, cap = PRESETS[name]
-        return replace(cls(error_budget=budget, max_consecutive_reuses=cap), **overrides)
+        config = cls(error_budget=budget, max_consecutive_reuses=cap,
+                     min_inference_steps=PRESET_MIN_INFERENCE_STEPS)
+        return replace(config, **overrides)
 
     def reuse_cap(self, num_inference_steps: int | None) -> int:
         """Most reused steps in a row per branch for a run of ``num_inference_steps`` (None: unknown, the cap as
@@ -169,3 +193,23 @@ class StepCacheConfig:
     def min_steps_for_reuse(self) -> int:
         """Fewest ``num_inference_steps`` that leave a step between the warm-up and the (computed) last step."""
         return self.num_warmup_steps + (2 if self.compute_last_step else 1)
+
+    def reuse_off_reason(self, num_inference_steps: int | None) -> str | None:
+        """Why a call of ``num_inference_steps`` reuses no step at all, or None when it may (None steps: unknown).
+
+        Too few steps for the warm-up and the computed last step (:meth:`min_steps_for_reuse`), or fewer than
+        :attr:`min_inference_steps`.
+        """
+        steps = num_inference_steps
+        if steps is None:
+            return None
+        needed = self.min_steps_for_reuse()
+        if steps < needed:
+            return (f"num_inference_steps={steps} is below {needed}: warm-up ({self.num_warmup_steps}) and the "
+                    "computed last step leave no step to reuse")
+        if self.min_inference_steps is not None and steps < self.min_inference_steps:
+            return (f"num_inference_steps={steps} is below min_inference_steps={self.min_inference_steps}: at so "
+                    "few steps each reused step skips a long stretch of the trajectory (on the embedded model "
+                    f"reuse lost the clip below {PRESET_MIN_INFERENCE_STEPS} steps); set "
+                    "StepCacheConfig.min_inference_steps lower to reuse anyway")
+        return None

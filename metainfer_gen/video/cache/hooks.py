@@ -141,13 +141,10 @@ class StepCacheRootHook(ModelHook):
                 self.state_manager.set_context(None)
 
     def _disabled_reason(self) -> str | None:
-        steps, needed = self.run.tracker.num_inference_steps, self.run.config.min_steps_for_reuse()
-        if steps is not None and steps < needed:
-            reason = (f"num_inference_steps={steps} is below {needed}: warm-up ({self.run.config.num_warmup_steps})"
-                      " and the computed last step leave no step to reuse")
+        reason = self.run.config.reuse_off_reason(self.run.tracker.num_inference_steps)
+        if reason is not None:
             self.run.tracker.current.disabled_reason = reason
-            return reason
-        return None
+        return reason
 
     def reset_state(self, module):
         self.state_manager.reset()
