@@ -10,19 +10,12 @@ from metainfer_gen.video.cache.calibration import Calibration
 from metainfer_gen.video.cache.signals import SIGNALS
 
 # name -> (error_budget, max_consecutive_reuses): one knob from careful to fast, spaced about evenly in compute.
-# Chosen on 6 *training* prompts of the embedded model (other seeds than the benchmark's held-out ones; 50 steps,
-# guidance 4, a calibration, mean PSNR against the uncached clip, block evaluations of 600, T2V / I2V), with
-# step_size_exponent 1.5: (0.4, 3) 42.3 / 46.1 dB at 234 / 226 (quality), (0.6, 3) 39.2 / 44.2 dB at 204,
-# (0.9, 4) 39.1 / 42.7 dB at 180 (balanced), (1.3, 4) 31.8 / 39.2 dB at 168, (2.0, 6) 30.8 / 36.1 dB at 144,
-# (3.0, 6) 28.5 / 34.4 dB at 132 (fast), (3.5, 6) 28.6 / 32.6 dB at 132, (4.0, 7) 27.3 / 32.0 dB at 120. The
-# presets before the step weighting (exponent 0): fast (1.0, 6) 28.3 / 32.8 dB at 144 on the same prompts;
-# quality (0.2, 3) 37.8 / 41.6 dB at 264 / 240 and balanced (0.45, 4) 30.0 / 36.2 dB at 192 / 180 on 8 training
-# prompts, these 6 among them. Training prompts score lower than the held-out ones (the README's table).
-# Rechecked on the weights shipped in the eleventh session (trained mostly at high noise; 6 other training prompts,
-# seeds 1000-1005, the shipped calibration, T2V / I2V dB at T2V / I2V blocks): (0.15, 3) 46.9 / 50.8 at 288 / 268,
-# (0.25, 3) 45.7 / 48.8 at 240 / 224, (0.4, 3) 44.1 / 46.8 at 216 / 206, (0.6, 3) 40.2 / 44.2 at 194 / 192,
-# (0.9, 4) 37.2 / 40.9 at 168, (1.3, 4) 35.3 / 38.5 at 168, (2.0, 6) 31.6 / 35.0 at 132, (3.0, 6) 30.0 / 33.6 at
-# 132: the presets still sit about evenly in compute (216, 168, 132), so they stayed.
+# Chosen on 6 training prompts of the embedded model (seeds 1000-1005, not the benchmark's held-out ones; 50 steps,
+# guidance 4, the shipped calibration, step_size_exponent 1.5; mean PSNR against the uncached clip, T2V / I2V dB at
+# T2V / I2V block evaluations of 600): (0.15, 3) 46.9 / 50.8 at 288 / 268, (0.25, 3) 45.7 / 48.8 at 240 / 224,
+# (0.4, 3) 44.1 / 46.8 at 216 / 206 (quality), (0.6, 3) 40.2 / 44.2 at 194 / 192, (0.9, 4) 37.2 / 40.9 at 168
+# (balanced), (1.3, 4) 35.3 / 38.5 at 168, (2.0, 6) 31.6 / 35.0 at 132, (3.0, 6) 30.0 / 33.6 at 132 (fast).
+# Training prompts score lower than the held-out ones (docs/benchmarks.md).
 PRESETS: dict[str, tuple[float, int]] = {
     "quality": (0.4, 3),
     "balanced": (0.9, 4),
