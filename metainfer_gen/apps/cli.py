@@ -20,14 +20,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from metainfer_gen import __version__
+from metainfer_gen.apps.arg_types import positive_int
 from metainfer_gen.apps.video_args import add_video_model_arguments, apply_model_options, load_options
 
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
-    return value
 
 
 def _cache_spec(text: str) -> str:
@@ -57,7 +52,7 @@ def _add_render_parser(subparsers) -> None:
     p.add_argument("--num-frames", type=int, default=None, help="frames to render (model default if omitted)")
     p.add_argument("--height", type=int, default=None, help="height in pixels (model default if omitted)")
     p.add_argument("--width", type=int, default=None, help="width in pixels (model default if omitted)")
-    p.add_argument("--steps", "--num-inference-steps", dest="num_inference_steps", type=_positive_int, default=None,
+    p.add_argument("--steps", "--num-inference-steps", dest="num_inference_steps", type=positive_int, default=None,
                    help="num_inference_steps (model default if omitted)")
     p.add_argument("--guidance-scale", type=float, default=None, help="classifier-free guidance (1 disables)")
     p.add_argument("--seed", type=int, default=0, help="seed; in batches, line i without a seed uses seed+i")

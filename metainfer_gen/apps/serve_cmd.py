@@ -14,22 +14,10 @@ import argparse
 import os
 import sys
 
+from metainfer_gen.apps.arg_types import port, positive_int
+
 DEFAULT_PORT = 8000
 API_KEY_ENV = "METAINFER_GEN_API_KEY"
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in [0, 65535]; got {value}")
-    return value
 
 
 def add_serve_parser(subparsers) -> None:
@@ -44,20 +32,20 @@ def add_serve_parser(subparsers) -> None:
                                           "pip install 'metainfer-gen[serve]'.")
     p.add_argument("--llm", default=None, help="checkpoint directory or hub id (default: the embedded LLM)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"port to bind, 0 = any free one "
+    p.add_argument("--port", type=port, default=DEFAULT_PORT, help=f"port to bind, 0 = any free one "
                                                                    f"(default {DEFAULT_PORT})")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on every route but /health and /metrics (default: "
                         f"${API_KEY_ENV}, else no key)")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=64,
+    p.add_argument("--max-num-seqs", type=positive_int, default=64,
                    help="requests decoded together; more wait in the queue (default 64)")
-    p.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
+    p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"largest request body; larger ones get 413 (default {DEFAULT_MAX_BODY_BYTES})")
     p.add_argument("--served-model-name", default=None,
                    help="the 'model' name clients send (default: the checkpoint folder's name)")
-    p.add_argument("--max-model-len", type=_positive_int, default=None,
+    p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context length (default: the model's max_position_embeddings)")
-    p.add_argument("--num-kv-blocks", type=_positive_int, default=None,
+    p.add_argument("--num-kv-blocks", type=positive_int, default=None,
                    help="KV pool size in blocks (default: sized from free memory)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,

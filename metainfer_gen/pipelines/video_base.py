@@ -9,9 +9,10 @@ outside; each is off until enabled.
 from __future__ import annotations
 
 import inspect
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any
 
+from metainfer_gen.pipelines.kernel_accelerators import KernelAcceleratorsMixin
 from metainfer_gen.pipelines.loading import load_diffusers_pipeline
 from metainfer_gen.video.output import VideoOutput, measure, to_uint8_frames
 from metainfer_gen.video.rules import VideoRules
@@ -22,7 +23,7 @@ _SHAPE_ARGS = ("num_frames", "height", "width", "num_inference_steps", "guidance
 _MODEL_ARGS = ("max_sequence_length",)
 
 
-class VideoPipelineBase:
+class VideoPipelineBase(KernelAcceleratorsMixin):
     """Base of :class:`TextToVideoPipeline` and :class:`ImageToVideoPipeline`; not used directly."""
 
     task: str = ""
@@ -100,97 +101,6 @@ class VideoPipelineBase:
         values = {name: given.get(name) if given.get(name) is not None else self.default(name) for name in _SHAPE_ARGS}
         self.rules.check(prompt=given.get("prompt"), **values)
         return values
-
-    def enable_fused_kernels(self, transformer: bool = True, vae: bool = True, config: Any = None) -> None:
-        """Swap the registry's kernels into the model from outside (removable; see ``kernels.fuse_kernels``).
-
-        Args:
-            transformer: the transformer blocks' fused adaLN, q/k norm and rotary kernels, and the condition
-                embedder's per-token timestep MLP once per distinct timestep (``kernels.timestep_embedding``).
-            vae: the video VAE's causal 3-D convolutions through ``kernels.conv3d`` (oneDNN on the CPU, where
-                PyTorch's own size rule picks its slow path: the embedded model's decode 2.3-2.7x faster) and its
-                channel norms through ``kernels.channel_rms_norm``.
-            config: a ``kernels.FuseKernelsConfig`` choosing the ops (default: all).
-        Modules that already carry the kernels (a pipeline made with ``from_pipe`` shares them) are left as they are.
-        """
-        from metainfer_gen.video.fuse import fuse_kernels
-        from metainfer_gen.video.fuse.core import is_fused
-
-        with self._embed_memo_lifted():
-            for model in self._fusable(transformer, vae):
-                if not is_fused(model):
-                    fuse_kernels(model, config)
-
-    def disable_fused_kernels(self) -> None:
-        """Take every kernel that :meth:`enable_fused_kernels` swapped in out again."""
-        from metainfer_gen.video.fuse import unfuse_kernels
-
-        with self._embed_memo_lifted():
-            for model in self._fusable(True, True):
-                unfuse_kernels(model)
-
-    def enable_embed_memo(self) -> None:
-        """Reuse the condition embedder's exact outputs within each call (lossless; off by default).
-
-        Each step's timestep is then embedded once for both CFG branches and the second branch's prompt projected
-        once per call, by value lookup, so outputs stay bit-identical (:mod:`metainfer_gen.video.cache.embed_memo`;
-        about 6% of a clip with the ``fast`` step cache on the embedded model). Independent of
-        :meth:`enable_step_cache`: it composes with ours and with every baseline, and with the fused kernels in
-        either order. Its entries are forgotten after every call. A pipeline made with ``from_pipe`` shares it.
-        Raises:
-            ValueError: no transformer of this pipeline has Wan's condition embedder (with the reason).
-        """
-        from metainfer_gen.video.cache.embed_memo import apply_embed_memo, embed_memo_refusal, get_embed_memo
-
-        refusals = [embed_memo_refusal(model) for model in self.transformers]
-        if all(refusals):
-            raise ValueError(f"cannot enable the embed memo: {refusals[0]}")
-        for model, refusal in zip(self.transformers, refusals):
-            if refusal is None and get_embed_memo(model) is None:
-                apply_embed_memo(model)
-
-    def disable_embed_memo(self) -> None:
-        """Remove the embed memo; no-op when it is not enabled."""
-        from metainfer_gen.video.cache.embed_memo import get_embed_memo, remove_embed_memo
-
-        for model in self.transformers:
-            if get_embed_memo(model) is not None:
-                remove_embed_memo(model)
-
-    @property
-    def embed_memo_enabled(self) -> bool:
-        """True when :meth:`enable_embed_memo` is in effect."""
-        from metainfer_gen.video.cache.embed_memo import get_embed_memo
-
-        return any(get_embed_memo(model) is not None for model in self.transformers)
-
-    @contextmanager
-    def _embed_memo_lifted(self):
-        """The memo off while kernels are (un)fused, then back outermost: ``fuse_kernels`` refuses hooked
-        modules, and a hook removed from under the memo would leave the memo bypassed."""
-        memo = self.embed_memo_enabled
-        if memo:
-            self.disable_embed_memo()
-        try:
-            yield
-        finally:
-            if memo:
-                self.enable_embed_memo()
-
-    @contextmanager
-    def _embed_memo_call(self):
-        """Around one call: the memo forgets its entries afterwards, also when the call fails."""
-        try:
-            yield
-        finally:
-            from metainfer_gen.video.cache.embed_memo import reset_embed_memo
-
-            for model in self.transformers:
-                reset_embed_memo(model)
-
-    def _fusable(self, transformer: bool, vae: bool) -> list:
-        vae_model = getattr(self.diffusers_pipeline, "vae", None)
-        return (self.transformers if transformer else []) + ([vae_model] if vae and vae_model is not None else [])
 
     def enable_step_cache(self, cache: Any = "auto", calibration: Any = None) -> None:
         """Reuse transformer work across denoising steps.

@@ -1,0 +1,21 @@
+"""argparse ``type=`` checks shared by the subcommands: a bad value is refused by the parser, before any work."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1. Raises argparse.ArgumentTypeError otherwise (the parser prints it as a usage error)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
+    return value
+
+
+def port(text: str) -> int:
+    """A TCP port in [0, 65535] (0: any free one). Raises argparse.ArgumentTypeError otherwise."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535]; got {value}")
+    return value
