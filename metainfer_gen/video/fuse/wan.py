@@ -1,5 +1,5 @@
 """Fused forwards for diffusers' Wan transformer: blocks (adaLN modulate, gated residuals) and attention (q/k
-RMSNorm, rotary embedding), installed as diffusers ``ModelHook``\\ s by :func:`metainfer_gen.kernels.fuse_kernels`.
+RMSNorm, rotary embedding), installed as diffusers ``ModelHook``\\ s by :func:`metainfer_gen.video.fuse.fuse_kernels`.
 
 Block contract (diffusers 0.42 ``WanTransformerBlock.forward(hidden_states, encoder_hidden_states, temb,
 rotary_emb)``): ``hidden_states`` (B, S, N) in the model dtype; ``temb`` (B, 6, N) (Wan 2.1 / 2.2 14B) or (B, S, 6,
