@@ -19,3 +19,15 @@ def port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be in [0, 65535]; got {value}")
     return value
+
+
+def finite_fps(text: str) -> float:
+    """Frames per second: a finite number > 0, checked before anything renders (the exporter's own rule).
+
+    Raises argparse.ArgumentTypeError otherwise."""
+    from metainfer_gen.video.export import check_fps
+
+    try:
+        return check_fps(float(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from metainfer_gen import __version__
-from metainfer_gen.apps.arg_types import positive_int
+from metainfer_gen.apps.arg_types import finite_fps, positive_int
 from metainfer_gen.apps.video_args import add_video_model_arguments, apply_model_options, load_options
 
 
@@ -56,7 +56,7 @@ def _add_render_parser(subparsers) -> None:
                    help="num_inference_steps (model default if omitted)")
     p.add_argument("--guidance-scale", type=float, default=None, help="classifier-free guidance (1 disables)")
     p.add_argument("--seed", type=int, default=0, help="seed; in batches, line i without a seed uses seed+i")
-    p.add_argument("--fps", type=float, default=None, help="frames per second of the written clip")
+    p.add_argument("--fps", type=finite_fps, default=None, help="frames per second of the written clip (> 0)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     add_video_model_arguments(p)
     p.add_argument("--cache", type=_cache_spec, default="off",

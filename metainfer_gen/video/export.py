@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -60,6 +61,17 @@ def _pad_even(frames: np.ndarray) -> np.ndarray:
     return frames
 
 
+def check_fps(fps: Any) -> float:
+    """``fps`` as given when it is a finite number > 0 (frames per second).
+
+    Raises:
+        ValueError: anything else (nan, inf, 0, negative, a bool or a non-number), naming the value.
+    """
+    if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not math.isfinite(fps) or fps <= 0:
+        raise ValueError(f"fps must be a finite number > 0 (e.g. 8 or 24); got {fps!r}")
+    return fps
+
+
 def save_video(frames: np.ndarray, path: str | os.PathLike, fps: float = 8.0) -> Path:
     """Save a clip; the format follows the suffix.
 
@@ -80,8 +92,7 @@ def save_video(frames: np.ndarray, path: str | os.PathLike, fps: float = 8.0) ->
     from metainfer_gen.video.gif import gif_delays, write_gif
 
     frames = check_frames(frames)
-    if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not math.isfinite(fps) or fps <= 0:
-        raise ValueError(f"fps must be a finite number > 0 (e.g. 8 or 24); got {fps!r}")
+    check_fps(fps)
     path = check_output_path(path)
     suffix = path.suffix.lower()
     delays = gif_delays(len(frames), fps) if suffix == ".gif" else None

@@ -76,7 +76,7 @@ class VideoOutput:
 
     def save(self, path: str | os.PathLike, fps: float | None = None) -> Path:
         """Write the clip: ``.mp4`` (H.264 yuv420p, faststart), ``.gif``, or no suffix for a PNG folder."""
-        return save_video(self.frames, path, fps=fps or self.fps)
+        return save_video(self.frames, path, fps=self.fps if fps is None else fps)
 
 
 def _peak_rss_mb() -> float:

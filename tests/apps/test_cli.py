@@ -271,3 +271,12 @@ def test_steps_also_go_by_their_diffusers_name():
     for flag in ("--steps", "--num-inference-steps"):
         assert parser.parse_args(["render", "a prompt", flag, "7"]).num_inference_steps == 7
         assert parser.parse_args(["calibrate", "--model", "m", flag, "30"]).steps == 30
+
+
+@pytest.mark.parametrize("fps", ["nan", "inf", "0", "-5"])
+def test_a_bad_fps_is_refused_before_anything_renders(tmp_path, tiny_wan_dir, capsys, fps):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["render", "x", "--model", str(tiny_wan_dir), "--fps", fps, "-o", str(tmp_path / "clip.mp4")])
+    assert exit_info.value.code == 2
+    assert "fps must be a finite number > 0" in capsys.readouterr().err
+    assert not (tmp_path / "clip.mp4").exists()

@@ -263,3 +263,12 @@ def test_stats_print_as_one_short_line():
                                                        "disabled_reason": "too few steps"})
     assert str(off).endswith("cache auto: 0 of 4 calls reused, off for this call: too few steps")
     assert str(GenerationStats()).endswith("on cpu")
+
+
+def test_an_output_saved_at_fps_0_is_refused_not_written_at_its_default(tmp_path):
+    from metainfer_gen.video.output import GenerationStats, VideoOutput
+
+    out = VideoOutput(np.zeros((5, 16, 16, 3), np.uint8), GenerationStats(device="cpu"), {}, fps=8.0)
+    with pytest.raises(ValueError, match="fps must be a finite number > 0"):
+        out.save(tmp_path / "clip.mp4", fps=0)
+    assert not (tmp_path / "clip.mp4").exists()
