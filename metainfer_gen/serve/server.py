@@ -186,7 +186,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     Raises:
         OSError: the port is taken, or ``host`` is not an address of this machine.
     """
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and without it
+    # Nagle holds back the second write of every response (body after headers) for the client's 40 ms delayed ACK.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
