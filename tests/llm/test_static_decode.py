@@ -199,6 +199,34 @@ def test_static_dsa_sparse_decode(tmp_path):
     assert 8 in sizes
 
 
+def test_capture_safe_moe_matches_sorted_path():
+    from metainfer_gen.kernels.moe import moe_experts
+    from metainfer_gen.llm.layers.moe import moe_experts_dense
+
+    g = torch.Generator().manual_seed(0)
+    x, w13, w2 = torch.randn(13, 32, generator=g), torch.randn(6, 40, 32, generator=g), torch.randn(6, 32, 20,
+                                                                                                   generator=g)
+    ids = torch.rand(13, 8, generator=g).argsort(-1)[:, :2]  # experts 0..7, this rank holds 2..7
+    weights = torch.rand(13, 2, generator=g)
+    torch.testing.assert_close(moe_experts_dense(x, weights, ids, w13, w2, 2), moe_experts(x, weights, ids, w13, w2, 2),
+                               atol=1e-4, rtol=1e-5)
+
+
+def test_static_with_capture_safe_moe(checkpoint, monkeypatch):
+    """The MoE branch a CUDA graph captures, run eagerly on the CPU inside the engine: same tokens."""
+    from metainfer_gen.llm.layers import moe
+
+    path, vocab = checkpoint
+    dynamic, static = make(path, False), make(path, True)
+    real, forward = moe.moe_experts_dense, static.runner.static._forward
+    inside, calls = [], []
+    monkeypatch.setattr(static.runner.static, "_forward", lambda size: (inside.append(1), forward(size), inside.pop()))
+    monkeypatch.setattr(moe, "_capturing", lambda x: bool(inside))  # only the static engine's decode steps
+    monkeypatch.setattr(moe, "moe_experts_dense", lambda *a: calls.append(1) or real(*a))
+    lockstep(dynamic, static, random_prompts(5, vocab, LENGTHS, seed=21), greedy(8), atol=1e-4)
+    assert calls
+
+
 @CUDA
 @pytest.mark.parametrize("num_seqs", [3, 13])
 def test_cuda_graph_replay_equals_eager(checkpoint, num_seqs):
