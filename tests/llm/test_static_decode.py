@@ -67,8 +67,9 @@ def assert_only_real_slots_written(before, after, slots: list[int]) -> None:
 
 
 def lockstep(dynamic: LLMEngine, static: LLMEngine, prompts, params, *, poison_seed: int | None = None,
-             atol: float = 1e-5) -> tuple[list, set[int]]:
-    """Run both engines step by step; returns (the static engine's sequences, padded sizes its static path used)."""
+             atol: float = 1e-5) -> tuple[list, set[tuple[int, int]]]:
+    """Run both engines step by step; returns (the static engine's sequences, the (size, width) shapes its static
+    path ran)."""
     seqs = {}
     for engine in (dynamic, static):
         seqs[id(engine)] = [engine._requests[engine.add_request(p, q)] for p, q in
@@ -86,7 +87,7 @@ def lockstep(dynamic: LLMEngine, static: LLMEngine, prompts, params, *, poison_s
         logits_d, rows_d = dynamic.runner.forward_logits(out_d)
         logits_s, rows_s = runner.forward_logits(out_s)
         if is_static:
-            sizes.add(runner.static.padded_size(len(out_s.scheduled)))
+            sizes.add(runner.static.last_shape)
             assert_only_real_slots_written(before, runner.kv_caches, real_slots(out_s, static.config.block_size))
         assert rows_d == rows_s
         if rows_s:
@@ -99,11 +100,16 @@ def lockstep(dynamic: LLMEngine, static: LLMEngine, prompts, params, *, poison_s
     return seqs[id(static)], sizes
 
 
+def sizes(shapes) -> set[int]:
+    return {size for size, _ in shapes}
+
+
 def test_batch_size_ladder():
     assert batch_size_ladder(1) == [1]
     assert batch_size_ladder(16) == [1, 2, 4, 8, 16]
     assert batch_size_ladder(13) == [1, 2, 4, 8, 13]
     assert batch_size_ladder(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert batch_size_ladder(32) == [1, 2, 4, 8, 16, 32]  # table widths of max_model_len 128, block 4
 
 
 def test_config_flags():
@@ -118,8 +124,8 @@ def test_config_flags():
 def test_static_equals_dynamic(checkpoint, num_seqs, padded):
     path, vocab = checkpoint
     prompts = random_prompts(num_seqs, vocab, LENGTHS, seed=num_seqs)
-    seqs, sizes = lockstep(make(path, False), make(path, True), prompts, greedy(10))
-    assert padded in sizes
+    seqs, shapes = lockstep(make(path, False), make(path, True), prompts, greedy(10))
+    assert padded in sizes(shapes)
     assert all(s.num_output_tokens == 10 for s in seqs)
 
 
@@ -164,8 +170,9 @@ def test_stale_buffers_smaller_batch_same_ladder_size(checkpoint, poison_seed):
     path, vocab = checkpoint
     prompts = random_prompts(8, vocab, LENGTHS, seed=11)
     params = [greedy(n) for n in (4, 5, 6, 7, 8, 9, 10, 11)]
-    seqs, sizes = lockstep(make(path, False), make(path, True), prompts, params, poison_seed=poison_seed)
-    assert {8, 4} <= sizes
+    seqs, shapes = lockstep(make(path, False), make(path, True), prompts, params, poison_seed=poison_seed)
+    assert {8, 4} <= sizes(shapes)
+    assert len({width for size, width in shapes if size == 8}) > 1  # the table width grows within size 8
     assert [s.num_output_tokens for s in seqs] == [4, 5, 6, 7, 8, 9, 10, 11]
 
 
@@ -195,8 +202,8 @@ def test_static_dsa_sparse_decode(tmp_path):
     model = make_hf_v32_model()
     model.save_pretrained(tmp_path)
     prompts = random_prompts(5, model.config.vocab_size, LENGTHS, seed=17)
-    _, sizes = lockstep(make(tmp_path, False), make(tmp_path, True), prompts, greedy(16), poison_seed=4)
-    assert 8 in sizes
+    _, shapes = lockstep(make(tmp_path, False), make(tmp_path, True), prompts, greedy(16), poison_seed=4)
+    assert 8 in sizes(shapes)
 
 
 def test_capture_safe_moe_matches_sorted_path():
@@ -238,7 +245,7 @@ def test_cuda_graph_replay_equals_eager(checkpoint, num_seqs):
     assert graphed.runner.static.use_cuda_graphs
     lockstep(make(path, False, **cuda), graphed, prompts, greedy(12), poison_seed=5, atol=1e-4)
     assert graphed.runner.static.use_cuda_graphs, "capture failed and fell back to eager"
-    assert graphed.runner.static.padded_size(num_seqs) in graphed.runner.static.graphs
+    assert graphed.runner.static.padded_size(num_seqs) in sizes(graphed.runner.static.graphs)
     eager = make(path, None, enforce_eager=True, **cuda)
     assert eager.runner.static is not None and not eager.runner.static.use_cuda_graphs
     expected = [o.token_ids for o in eager.generate(prompts, greedy(12))]
