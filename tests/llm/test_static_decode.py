@@ -61,7 +61,7 @@ def assert_only_real_slots_written(before, after, slots: list[int]) -> None:
     keep = torch.ones(before[0].shape[0] * before[0].shape[1], dtype=torch.bool)
     keep[slots] = False
     for layer, (b, a) in enumerate(zip(before, after)):
-        b, a = b.flatten(0, 1).cpu(), a.flatten(0, 1).cpu()
+        b, a = b.flatten(0, 1).cpu().view(torch.uint8), a.flatten(0, 1).cpu().view(torch.uint8)  # any dtype, fp8 too
         changed = (b[keep] != a[keep]).any(-1).nonzero().flatten().tolist()
         assert not changed, f"layer {layer}: cache rows outside the step's slots changed ({len(changed)} rows)"
 
@@ -149,6 +149,21 @@ def test_static_with_prefix_caching(checkpoint):
     seqs, _ = lockstep(dynamic, static, [prefix + t for t in tails], greedy(8), poison_seed=1)
     assert all(s.num_cached_tokens == 24 for s in seqs)
     assert static.block_manager.num_free_blocks == static.block_manager.num_blocks
+
+
+def test_static_with_fp8_kv_cache(checkpoint):
+    path, vocab = checkpoint
+    dynamic, static = make(path, False, kv_cache_dtype="fp8"), make(path, True, kv_cache_dtype="fp8")
+    lockstep(dynamic, static, random_prompts(5, vocab, LENGTHS, seed=23), greedy(8), poison_seed=6, atol=1e-4)
+
+
+def test_cuda_graphs_need_cuda(checkpoint):
+    from metainfer_gen.llm.static_decode import StaticDecode
+
+    engine = make(checkpoint[0], False)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        StaticDecode(engine.model, engine.runner.kv_caches, max_num_seqs=4, max_model_len=64, block_size=4,
+                     use_cuda_graphs=True)
 
 
 def test_static_with_preemption(checkpoint):
