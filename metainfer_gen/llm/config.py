@@ -38,6 +38,10 @@ class EngineConfig:
             checkpoint is quantised on load; a DeepSeek FP8 checkpoint keeps its blocks), see ``llm/fp8.py``.
         kv_cache_dtype: "auto" (the run dtype) or "fp8" (float8_e4m3fn latent cache, scale 1, half the bytes of
             bf16; values are cast on store and read back in the run dtype).
+        static_decode: run decode-only steps on preallocated buffers padded to a batch-size ladder (1, 2, 4, ...,
+            ``max_num_seqs``), see ``llm/static_decode.py``; None: on for CUDA, off on the CPU.
+        enforce_eager: never capture CUDA graphs (vLLM's name); static decode steps then run eagerly. Graphs are
+            captured only on CUDA, with ``static_decode`` on and ``tensor_parallel_size`` 1.
     Raises:
         ValueError: a field out of range, with the fix in the message.
     """
@@ -58,6 +62,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    static_decode: bool | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
@@ -78,6 +84,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {_DTYPES} or None; got {self.dtype!r}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be None or 'fp8'; got {self.quantization!r}")
+        if self.static_decode not in (None, True, False):
+            raise ValueError(f"static_decode must be None, True or False; got {self.static_decode!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False; got {self.enforce_eager!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8'; got {self.kv_cache_dtype!r}")
 

@@ -65,8 +65,13 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    max_model_len=max_model_len, eos_token_ids=eos_token_ids)
+        on_cuda = self.device.type == "cuda"
+        static = on_cuda if config.static_decode is None else config.static_decode
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size, dtype=self.cache_dtype,
-                                  device=self.device, seed=config.seed)
+                                  device=self.device, seed=config.seed, static_decode=static,
+                                  cuda_graphs=static and on_cuda and not config.enforce_eager
+                                  and config.tensor_parallel_size == 1,
+                                  max_num_seqs=config.max_num_seqs, max_model_len=max_model_len)
         self._requests: dict[str, Sequence] = {}
 
     # -- construction ---------------------------------------------------------------------------------------

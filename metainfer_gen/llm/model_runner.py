@@ -2,7 +2,8 @@
 
 nano-vllm's ``engine/model_runner.py`` split: the scheduler decides *what* runs; the runner turns that into
 flat input tensors and attention metadata, runs the model, computes logits only for the rows that sample, and
-samples. CUDA graphs and tensor parallelism arrive with their issues and stay out of this file.
+samples. Decode-only steps may go through :class:`~metainfer_gen.llm.static_decode.StaticDecode` (static
+buffers, CUDA graphs), which lives in its own module; tensor parallelism stays out of this file.
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ class ModelRunner:
         num_blocks, block_size: KV pool geometry.
         dtype, device: of the cache (the model's).
         seed: generator seed for requests without their own.
+        static_decode: run decode-only steps of up to ``max_num_seqs`` sequences on static buffers (needs
+            ``max_num_seqs`` and ``max_model_len``); ``cuda_graphs`` replays them as CUDA graphs.
     """
 
     def __init__(self, model, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                 seed: int = 0):
+                 seed: int = 0, static_decode: bool = False, cuda_graphs: bool = False, max_num_seqs: int = 1,
+                 max_model_len: int = 1):
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -40,6 +44,12 @@ class ModelRunner:
                           for _ in model.model.layers]
         self._default_generator = torch.Generator().manual_seed(seed)
         self._generators: dict[int, torch.Generator] = {}
+        self.static = None
+        if static_decode:
+            from metainfer_gen.llm.static_decode import StaticDecode
+
+            self.static = StaticDecode(model, self.kv_caches, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                       block_size=block_size, use_cuda_graphs=cuda_graphs)
 
     def generator_for(self, seq) -> torch.Generator:
         if seq.params.seed is None:
@@ -62,16 +72,25 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long, device=self.device), meta
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> dict[int, int]:
-        """Forward the step and sample; returns ``seq_id -> token`` for the sequences that sample."""
+    def forward_logits(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[int]]:
+        """Forward the step: (logits (R, vocab) float32, indices in ``out.scheduled`` of the R sampling rows)."""
+        if self.static is not None and self.static.can_run(out):
+            return self.model.compute_logits(self.static.run(out)), list(range(len(out.scheduled)))
         input_ids, meta = self.build_inputs(out)
         hidden = self.model(input_ids, meta, self.kv_caches)
         offsets = meta.query_offsets
         rows = [i for i, item in enumerate(out.scheduled) if item.sample]
         if not rows:
-            return {}
+            return None, rows
         last = torch.tensor([offsets[i + 1] - 1 for i in rows], dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[last])
+        return self.model.compute_logits(hidden[last]), rows
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> dict[int, int]:
+        """Forward the step and sample; returns ``seq_id -> token`` for the sequences that sample."""
+        logits, rows = self.forward_logits(out)
+        if not rows:
+            return {}
         seqs = [out.scheduled[i].seq for i in rows]
         tokens = sample(logits, [s.params for s in seqs],
                         [None if s.params.greedy else self.generator_for(s) for s in seqs])

@@ -16,6 +16,9 @@ Routed experts run through :func:`metainfer_gen.kernels.moe_experts` (tokens sor
 expert weights stacked: :func:`pack_moe_experts` (called by the loader once the weights are in place) stacks them
 and makes every expert's ``weight`` a view of the stack, so names, checkpoints and memory stay as they were.
 Experts that cannot be stacked (fp8 block-scaled weights) run the reference loop over their modules.
+
+While a CUDA graph is being captured (``llm/static_decode.py``), stacked experts run :func:`moe_experts_dense`
+instead: the sorted path reads the per-expert counts on the host, which a graph cannot replay.
 """
 
 from __future__ import annotations
@@ -90,6 +93,26 @@ def local_experts(num_experts: int, tp: TensorParallel) -> list[int]:
 _SITE = "llm.MoE.experts"
 
 
+def moe_experts_dense(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                      w2: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+    """Every local expert on every token, summed through a (T, E_local) routing matrix that is zero off the top-k:
+    no host sync and static shapes, so a CUDA graph can hold it. x (T, H), weights/ids (T, k), w13 (E, 2I, H),
+    w2 (E, H, I) -> (T, H). Costs E_local / k times the routed FLOPs and reads every local expert once (a decode
+    batch with T * k >= E_local reads them all anyway); meant for the small batches of captured decode steps."""
+    num_local, size = w13.shape[0], w2.shape[2]
+    local = ids - first_expert
+    held = (local >= 0) & (local < num_local)
+    combine = torch.zeros(x.shape[0], num_local, dtype=weights.dtype, device=x.device)
+    combine.scatter_add_(1, local.clamp(0, num_local - 1), torch.where(held, weights, 0))  # (T, E)
+    h = torch.matmul(x, w13.transpose(1, 2))  # (E, T, 2I)
+    y = torch.bmm(F.silu(h[..., :size]) * h[..., size:], w2.transpose(1, 2))  # (E, T, H)
+    return (y.float() * combine.t()[..., None]).sum(0).to(x.dtype)
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class MoE(nn.Module):
     """Routed experts + shared experts; ``forward`` (T, hidden) -> (T, hidden).
 
@@ -162,7 +185,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # (T, k) float32, (T, k) int64
         stacked = self._stacked_weights()
-        if stacked is not None:
+        if stacked is not None and _capturing(x):
+            out = moe_experts_dense(x, weights, ids, *stacked, self.first_expert)
+        elif stacked is not None:
             out = moe_experts(x, weights, ids, *stacked, self.first_expert, site=_SITE)
         else:
             out = moe_experts_loop(x, weights, ids, self.first_expert, list(self.experts.values()))
