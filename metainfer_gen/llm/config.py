@@ -39,7 +39,8 @@ class EngineConfig:
         kv_cache_dtype: "auto" (the run dtype) or "fp8" (float8_e4m3fn latent cache, scale 1, half the bytes of
             bf16; values are cast on store and read back in the run dtype).
         static_decode: run decode-only steps on preallocated buffers padded to a batch-size ladder (1, 2, 4, ...,
-            ``max_num_seqs``), see ``llm/static_decode.py``; None: on for CUDA, off on the CPU.
+            ``max_num_seqs``), see ``llm/static_decode.py``; None (the default): off until the CUDA-graph path has
+            run on a GPU (captured MoE decode runs every expert on every row, E/k times the routed FLOPs).
         enforce_eager: never capture CUDA graphs (vLLM's name); static decode steps then run eagerly. Graphs are
             captured only on CUDA, with ``static_decode`` on and ``tensor_parallel_size`` 1.
     Raises:

@@ -66,7 +66,7 @@ class LLMEngine:
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    max_model_len=max_model_len, eos_token_ids=eos_token_ids)
         on_cuda = self.device.type == "cuda"
-        static = on_cuda if config.static_decode is None else config.static_decode
+        static = bool(config.static_decode)  # opt-in: see EngineConfig.static_decode
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size, dtype=self.cache_dtype,
                                   device=self.device, seed=config.seed, static_decode=static,
                                   cuda_graphs=static and on_cuda and not config.enforce_eager

@@ -261,7 +261,7 @@ def test_cuda_graph_replay_equals_eager(checkpoint, num_seqs):
     lockstep(make(path, False, **cuda), graphed, prompts, greedy(12), poison_seed=5, atol=1e-4)
     assert graphed.runner.static.use_cuda_graphs, "capture failed and fell back to eager"
     assert graphed.runner.static.padded_size(num_seqs) in sizes(graphed.runner.static.graphs)
-    eager = make(path, None, enforce_eager=True, **cuda)
+    eager = make(path, True, enforce_eager=True, **cuda)
     assert eager.runner.static is not None and not eager.runner.static.use_cuda_graphs
     expected = [o.token_ids for o in eager.generate(prompts, greedy(12))]
     assert [o.token_ids for o in make(path, True, **cuda).generate(prompts, greedy(12))] == expected
