@@ -1,5 +1,5 @@
 """Ahead-of-time GPU compiles on this CPU: registers and spills are read, fp32 dots compile to IEEE, and the
-AOT table and ``gpu_check`` cover every registered op.
+AOT table and ``benchmarks/gpu_check.py`` cover every registered op.
 
 The compiles target sm_90 (Triton compiles for any NVIDIA arch without a GPU); each takes about a second.
 """
@@ -98,3 +98,10 @@ def test_fp32_reference_dots_compile_to_ieee_not_tf32(aot, op, run):
 def test_aot_table_covers_every_triton_op(no_interpret):
     triton_aot = _load("triton_aot")
     assert set(triton_aot.triton_ops()) <= {case.op for case in triton_aot.cases()}
+
+
+def test_gpu_check_covers_exactly_the_registered_ops():
+    from metainfer_gen.kernels.catalog import registered_ops
+
+    gpu_check = _load("gpu_check")
+    assert sorted(gpu_check.OPS) == sorted(op.name for op in registered_ops())
