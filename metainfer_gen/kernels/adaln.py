@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from metainfer_gen.kernels.common import (CompiledPath, _sum_combine, contiguous_refusal, dtype_refusal,
                                           first_refusal, lazy_triton_kernel, row_bytes_refusal, triton_refusal)
+from metainfer_gen.kernels.launch import launch
 from metainfer_gen.kernels.registry import Op, register_op
 
 __all__ = ["adaln_modulate", "adaln_modulate_reference", "gated_residual", "gated_residual_reference"]
@@ -126,7 +127,7 @@ def adaln_modulate_triton(x: torch.Tensor, scale: torch.Tensor, shift: torch.Ten
     out = torch.empty_like(x3)
     if x3.numel() > 0:
         block = _block(n)
-        _kernels()[0][(batch * seq,)](
+        launch(_kernels()[0], (batch * seq,),
             x3, sc, sh, out, seq, n, sc.stride(0), sc.stride(1), sh.stride(0), sh.stride(1), eps,
             BLOCK_N=block, num_warps=min(max(block // 256, 1), 8),
         )
@@ -139,7 +140,7 @@ def gated_residual_triton(residual: torch.Tensor, y: torch.Tensor, gate: torch.T
     out = torch.empty_like(r3)
     if r3.numel() > 0:
         block = _block(n)
-        _kernels()[1][(batch * seq,)](
+        launch(_kernels()[1], (batch * seq,),
             r3, y, g, out, seq, n, g.stride(0), g.stride(1), BLOCK_N=block, num_warps=min(max(block // 256, 1), 8),
         )
     return out.view(residual.shape)

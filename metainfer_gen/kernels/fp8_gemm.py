@@ -18,6 +18,7 @@ import torch
 from metainfer_gen.kernels.common import contiguous_refusal, first_refusal, lazy_triton_kernel, triton_refusal
 from metainfer_gen.kernels.fp8_quant import (FP8_BLOCK, FP8_DTYPE, check_fp8_weight, dequantize_fp8_weight_reference,
                                              fp8_act_quant, fp8_arithmetic_refusal, quantize_fp8_weight)
+from metainfer_gen.kernels.launch import launch, target_arch
 from metainfer_gen.kernels.registry import Op, register_op
 
 __all__ = ["fp8_block_gemm", "fp8_block_gemm_reference", "fp8_linear"]
@@ -78,17 +79,28 @@ def _kernel():
     return fp8_gemm_kernel
 
 
+def fp8_gemm_config(m: int, n: int, arch: int | None) -> dict:
+    """Meta-parameters for an (m, K) x (n, K) product on sm_``arch`` (None: no GPU, the interpreter).
+
+    Each 128-wide K step keeps (BLOCK_M + BLOCK_N) x 128 fp8 values and their 64-bit addresses live: the earlier
+    64 x 128 tiles (16 x 128 at decode) on 4 warps needed 255 registers and spilled 1.3-3.8 KB on sm_89 and sm_90
+    (``benchmarks/triton_aot.py``); 32 x 32 tiles spill nothing on sm_89/sm_120 and 36 B on sm_90, and 16 x 32 at
+    decode nothing on any arch. Small tiles cost reuse; larger ones need the K loop split below the scale block.
+    sm_80 has no fp8 MMA (the dispatch refuses fp8 there; the compile fails).
+    """
+    block_m = 16 if m <= 16 else 32
+    return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=FP8_BLOCK, num_warps=4)
+
+
 def fp8_block_gemm_triton(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                           out_dtype: torch.dtype) -> torch.Tensor:
     m, k = x_q.shape
     n = w_q.shape[0]
     y = torch.empty(m, n, device=x_q.device, dtype=out_dtype)
     if m and n:
-        block_m = 16 if m <= 16 else 64
-        block_n = 64 if n <= 64 else 128
-        grid = (-(-m // block_m), -(-n // block_n))
-        _kernel()[grid](x_q, x_scale, w_q, w_scale, y, m, n, k, x_scale.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
-                        BLOCK_K=FP8_BLOCK, num_warps=4)
+        meta = fp8_gemm_config(m, n, target_arch(x_q.device))
+        grid = (-(-m // meta["BLOCK_M"]), -(-n // meta["BLOCK_N"]))
+        launch(_kernel(), grid, x_q, x_scale, w_q, w_scale, y, m, n, k, x_scale.shape[1], **meta)
     return y
 
 

@@ -21,6 +21,7 @@ import torch
 from metainfer_gen import platform
 from metainfer_gen.kernels.common import (_max_combine, contiguous_refusal, dtype_refusal, first_refusal,
                                           lazy_triton_kernel, triton_refusal)
+from metainfer_gen.kernels.launch import launch
 from metainfer_gen.kernels.registry import Op, register_op
 
 __all__ = ["FP8_BLOCK", "FP8_DTYPE", "FP8_MAX", "check_fp8_weight", "dequantize_fp8_weight_reference", "fp8_act_quant",
@@ -136,14 +137,19 @@ def _kernels():
     return act_quant_kernel, weight_dequant_kernel
 
 
+# A 128 x 128 tile on 4 warps holds 128 values and their 64-bit addresses per thread: 255 registers and 1.2-1.8 KB
+# of spills on sm_89/sm_90; 16 warps take 109 registers, no spills (benchmarks/triton_aot.py), on every arch.
+WEIGHT_DEQUANT_WARPS = 16
+
+
 def fp8_act_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     store_fp8 = not platform.triton_interpret_requested()
     y = torch.empty(m, k, device=x.device, dtype=FP8_DTYPE if store_fp8 else torch.float32)
     scale = torch.empty(m, _num_blocks(k), device=x.device, dtype=torch.float32)
     if m and k:
-        _kernels()[0][(m, _num_blocks(k))](x, y, scale, k, _num_blocks(k), x.stride(0), _MIN_AMAX, FP8_MAX=FP8_MAX, GROUP=FP8_BLOCK,
-                                           STORE_FP8=store_fp8, num_warps=4)
+        launch(_kernels()[0], (m, _num_blocks(k)), x, y, scale, k, _num_blocks(k), x.stride(0), _MIN_AMAX,
+               FP8_MAX=FP8_MAX, GROUP=FP8_BLOCK, STORE_FP8=store_fp8, num_warps=4)
     return (y if store_fp8 else y.to(FP8_DTYPE)), scale
 
 
@@ -152,7 +158,8 @@ def fp8_weight_dequant_triton(weight: torch.Tensor, scale_inv: torch.Tensor,
     n, k = weight.shape
     out = torch.empty(n, k, device=weight.device, dtype=dtype)
     if n and k:
-        _kernels()[1][(_num_blocks(n), _num_blocks(k))](weight, scale_inv, out, n, k, _num_blocks(k), BLOCK=FP8_BLOCK, num_warps=4)
+        launch(_kernels()[1], (_num_blocks(n), _num_blocks(k)), weight, scale_inv, out, n, k, _num_blocks(k),
+               BLOCK=FP8_BLOCK, num_warps=WEIGHT_DEQUANT_WARPS)
     return out
 
 

@@ -24,6 +24,7 @@ from metainfer_gen.kernels.common import (_sum_combine, contiguous_refusal, firs
                                           triton_refusal)
 from metainfer_gen.kernels.fp8_quant import FP8_DTYPE, fp8_arithmetic_refusal
 from metainfer_gen.kernels.indexer_tiled import indexer_topk_tiled
+from metainfer_gen.kernels.launch import launch, target_arch
 from metainfer_gen.kernels.registry import Op, register_op
 
 __all__ = ["indexer_scores_reference", "indexer_topk", "indexer_topk_reference", "select_topk", "topk_overlap"]
@@ -111,7 +112,9 @@ def _kernel():
         k = tl.load(k_ptr + b * stride_kb + keys[:, None].to(tl.int64) * stride_kl + d[None, :],
                     mask=(keys[:, None] < L) & (d[None, :] < D), other=0.0).to(tl.float32)
         w = tl.load(w_ptr + query * H + h, mask=h < H, other=0.0).to(tl.float32)
-        s = tl.maximum(tl.dot(q, tl.trans(k)) * scale, 0.0)  # (BLOCK_H, BLOCK_L)
+        # ieee: the reference is a float32 matmul, and tf32 (Triton's default) keeps 10 mantissa bits, enough to
+        # reorder near-tied scores and so the top-k picks.
+        s = tl.maximum(tl.dot(q, tl.trans(k), input_precision="ieee") * scale, 0.0)  # (BLOCK_H, BLOCK_L)
         index = tl.reduce(s * w[:, None], 0, sum_combine)
         length = tl.load(len_ptr + query)
         index = tl.where(keys < length, index, float("-inf"))
@@ -120,15 +123,26 @@ def _kernel():
     return indexer_scores_kernel
 
 
+def indexer_config(heads: int, dim: int, arch: int | None) -> dict:
+    """Meta-parameters for ``heads`` x ``dim`` queries on sm_``arch`` (None: no GPU, the interpreter).
+
+    8 warps: the IEEE float32 dot of (64, 128) x (128, 32) held 216 registers on 4 warps (0 spills on sm_89/sm_90,
+    13-16 KB of spills on sm_80/sm_120); 8 warps take 56-64 registers on sm_89/sm_90. sm_80 and sm_120 still
+    spilled about 400 B at 32 keys per program, and none at 16 (``benchmarks/triton_aot.py``).
+    """
+    block_l = 16 if arch in (80, 86, 87, 120, 121) else 32
+    return dict(BLOCK_H=pow2_at_least(heads), BLOCK_D=pow2_at_least(dim), BLOCK_L=block_l, num_warps=8)
+
+
 def indexer_topk_triton(q, weights, keys, lengths, topk: int, scale: float) -> torch.Tensor:
     batch, n, heads, dim = q.shape
     length = keys.shape[1]
     scores = torch.empty(batch, n, length, device=q.device, dtype=torch.float32)
     if batch * n and length:
-        block_l = 32
-        _kernel()[(batch * n, -(-length // block_l))](
+        meta = indexer_config(heads, dim, target_arch(q.device))
+        launch(_kernel(), (batch * n, -(-length // meta["BLOCK_L"])),
             q, weights, keys, lengths, scores, n, heads, dim, length, keys.stride(0), keys.stride(1), float(scale),
-            BLOCK_H=pow2_at_least(heads), BLOCK_D=pow2_at_least(dim), BLOCK_L=block_l, num_warps=4)
+            **meta)
     return select_topk(scores, lengths, topk)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from metainfer_gen.kernels.common import contiguous_refusal, first_refusal, lazy_triton_kernel, triton_refusal
+from metainfer_gen.kernels.launch import launch
 from metainfer_gen.kernels.registry import Op, register_op
 
 __all__ = ["compute_slot_mapping", "positions_from_lengths", "store_kv_cache", "store_kv_cache_reference"]
@@ -163,7 +164,7 @@ def store_kv_cache_triton(key: torch.Tensor, value: torch.Tensor | None, k_cache
     kc = k_cache.view(-1, *k_cache.shape[2:]).flatten(1).view(torch.int32)
     vw = _words(value) if value is not None else kw
     vc = v_cache.view(-1, *v_cache.shape[2:]).flatten(1).view(torch.int32) if value is not None else kc
-    _kernel()[(num_tokens,)](
+    launch(_kernel(), (num_tokens,),
         kw, vw, kc, vc, slot_mapping, kw.stride(0), vw.stride(0), kw.shape[1], vw.shape[1],
         HAS_VALUE=value is not None, BLOCK_K=1 << max(kw.shape[1] - 1, 0).bit_length(),
         BLOCK_V=1 << max(vw.shape[1] - 1, 0).bit_length(), num_warps=4,

@@ -18,6 +18,7 @@ import torch
 
 from metainfer_gen.kernels.common import (CompiledPath, _sum_combine, contiguous_refusal, dtype_refusal,
                                           first_refusal, lazy_triton_kernel, row_bytes_refusal, triton_refusal)
+from metainfer_gen.kernels.launch import launch
 from metainfer_gen.kernels.registry import Op, register_op
 
 __all__ = ["fused_add_rms_norm", "fused_add_rms_norm_reference", "rms_norm", "rms_norm_reference"]
@@ -96,7 +97,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     res_out = torch.empty_like(out) if residual is not None else out
     block = 1 << max(n - 1, 0).bit_length()
     if x2.shape[0] > 0:
-        _kernel()[(x2.shape[0],)](
+        launch(_kernel(), (x2.shape[0],),
             x2, r2, weight if weight is not None else x2, out, res_out, n, x2.stride(0), r2.stride(0), eps,
             HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, BLOCK_N=block,
             num_warps=min(max(block // 256, 1), 8),

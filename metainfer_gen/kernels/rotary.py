@@ -21,6 +21,7 @@ import torch
 
 from metainfer_gen.kernels.common import (CompiledPath, contiguous_refusal, dtype_refusal, first_refusal,
                                           lazy_triton_kernel, row_bytes_refusal, triton_refusal)
+from metainfer_gen.kernels.launch import launch
 from metainfer_gen.kernels.registry import Op, register_op
 
 __all__ = ["rope", "rope_reference"]
@@ -90,7 +91,7 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleav
     num_tokens = x.numel() // (heads * dim)
     if num_tokens > 0:
         half = dim // 2
-        _kernel()[(num_tokens,)](
+        launch(_kernel(), (num_tokens,),
             x, cos, sin, out, seq, heads, half, INTERLEAVED=bool(interleaved),
             BLOCK_H=1 << max(heads - 1, 0).bit_length(), BLOCK_HALF=1 << max(half - 1, 0).bit_length(),
             num_warps=4,

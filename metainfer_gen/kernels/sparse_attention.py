@@ -20,6 +20,7 @@ from metainfer_gen import platform
 from metainfer_gen.kernels.common import (_max_combine, _sum_combine, contiguous_refusal, dtype_refusal, first_refusal, lazy_triton_kernel,
                                           pow2_at_least, triton_refusal)
 from metainfer_gen.kernels.fp8_quant import FP8_DTYPE, fp8_arithmetic_refusal
+from metainfer_gen.kernels.launch import launch, target_arch
 from metainfer_gen.kernels.registry import Op, register_op
 
 __all__ = ["gather_rows", "sparse_mla", "sparse_mla_reference"]
@@ -99,13 +100,16 @@ def _kernel():
             row = kv_ptr + tl.maximum(slot, 0)[:, None] * stride_kv
             c = tl.load(row + r[None, :], mask=valid[:, None] & (r[None, :] < R), other=0.0).to(dot_dtype)
             pe = tl.load(row + R + p[None, :], mask=valid[:, None] & (p[None, :] < P), other=0.0).to(dot_dtype)
-            s = (tl.dot(q_lat, tl.trans(c)) + tl.dot(q_pe, tl.trans(pe))) * scale  # (BLOCK_H, BLOCK_N) fp32
+            # ieee: float32 dots (UPCAST) must match the float32 reference, not tf32's 10-bit mantissa; bf16 and
+            # fp16 dots are unaffected by the precision argument.
+            s = (tl.dot(q_lat, tl.trans(c), input_precision="ieee")
+                 + tl.dot(q_pe, tl.trans(pe), input_precision="ieee")) * scale  # (BLOCK_H, BLOCK_N) fp32
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.reduce(s, 1, max_combine))
             alpha = tl.exp(m - m_new)
             weights = tl.exp(s - m_new[:, None])
             denom = denom * alpha + tl.reduce(weights, 1, sum_combine)
-            acc = acc * alpha[:, None] + tl.dot(weights.to(dot_dtype), c)
+            acc = acc * alpha[:, None] + tl.dot(weights.to(dot_dtype), c, input_precision="ieee")
             m = m_new
         out = acc / denom[:, None]
         tl.store(out_ptr + t * N * R + h[:, None] * R + r[None, :], out.to(out_ptr.dtype.element_ty),
@@ -114,17 +118,33 @@ def _kernel():
     return sparse_mla_kernel
 
 
+def sparse_mla_config(value_dim: int, rope_dim: int, upcast: bool, arch: int | None) -> dict:
+    """Meta-parameters for a ``value_dim`` + ``rope_dim`` latent on sm_``arch`` (None: no GPU, the interpreter).
+
+    DeepSeek-V3's 16 x 512 float32 accumulator, 16 x 512 queries and 32 x 512 latent rows on 4 warps needed 255
+    registers and spilled 48-88 B (bf16) on every arch; 8 warps hold them in 166-198 registers, no spills. The
+    float32 dots (``upcast``: float32 or fp8 inputs, IEEE) on 32 rows spilled 40-47 KB on 4 warps and needed 111 KB
+    of shared memory, more than sm_89 and sm_120 have (100 KB per SM): 16 rows, 8 warps and one stage take 72 KB and
+    126-128 registers without spills on all four archs (``benchmarks/triton_aot.py``). ``arch`` is kept in the
+    signature so a later arch can differ; the choice is the same on sm_80, sm_89, sm_90 and sm_120.
+    """
+    meta = dict(BLOCK_H=16, BLOCK_R=pow2_at_least(value_dim), BLOCK_P=pow2_at_least(rope_dim),
+                BLOCK_N=16 if upcast else 32, num_warps=8)
+    if upcast:
+        meta["num_stages"] = 1
+    return meta
+
+
 def sparse_mla_triton(q: torch.Tensor, kv_rows: torch.Tensor, indices: torch.Tensor, value_dim: int,
                       scale: float) -> torch.Tensor:
     tokens, heads, dk = q.shape
     out = torch.empty(tokens, heads, value_dim, device=q.device, dtype=q.dtype)
     if tokens and indices.shape[1]:
-        block_h = 16
         upcast = platform.triton_interpret_requested() or q.dtype == torch.float32 or kv_rows.dtype == FP8_DTYPE
-        _kernel()[(tokens, -(-heads // block_h))](
+        meta = sparse_mla_config(value_dim, dk - value_dim, upcast, target_arch(q.device))
+        launch(_kernel(), (tokens, -(-heads // meta["BLOCK_H"])),
             q, kv_rows, indices, out, heads, indices.shape[1], value_dim, dk - value_dim, kv_rows.stride(0),
-            float(scale), UPCAST=upcast, BLOCK_H=block_h, BLOCK_R=pow2_at_least(value_dim),
-            BLOCK_P=pow2_at_least(dk - value_dim), BLOCK_N=32, num_warps=4)
+            float(scale), UPCAST=upcast, **meta)
     return out
 
 
