@@ -84,12 +84,13 @@ def fp8_gemm_config(m: int, n: int, arch: int | None) -> dict:
 
     Each 128-wide K step keeps (BLOCK_M + BLOCK_N) x 128 fp8 values and their 64-bit addresses live: the earlier
     64 x 128 tiles (16 x 128 at decode) on 4 warps needed 255 registers and spilled 1.3-3.8 KB on sm_89 and sm_90
-    (``benchmarks/triton_aot.py``); 32 x 32 tiles spill nothing on sm_89/sm_120 and 36 B on sm_90, and 16 x 32 at
-    decode nothing on any arch. Small tiles cost reuse; larger ones need the K loop split below the scale block.
+    (``benchmarks/triton_aot.py``); 32 x 32 tiles on 8 warps (182-186 registers) and 16 x 32 on 4 warps at decode
+    spill nothing on sm_89, sm_90 and sm_120 (32 x 32 on 4 warps spilled 36 B on sm_90; 64 x 64 on 8 warps 252-524
+    B). Small tiles cost reuse; larger ones need the K loop split below the scale block.
     sm_80 has no fp8 MMA (the dispatch refuses fp8 there; the compile fails).
     """
     block_m = 16 if m <= 16 else 32
-    return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=FP8_BLOCK, num_warps=4)
+    return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=FP8_BLOCK, num_warps=4 if block_m == 16 else 8)
 
 
 def fp8_block_gemm_triton(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,

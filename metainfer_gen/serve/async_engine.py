@@ -175,11 +175,11 @@ class AsyncLLMEngine:
                     self._abort(request_id, "error", f"engine step failed: {exc}")
                 continue
             self.num_steps += 1
+            if self.metrics is not None:  # before delivering: a client that sees its answer sees the step's gauges
+                self.metrics.on_step(self.engine)
             now = time.perf_counter()
             for output in outputs:
                 self._deliver(output, now)
-            if self.metrics is not None:
-                self.metrics.on_step(self.engine)
 
     def _apply_commands(self) -> bool:
         """Apply queued commands; False once closed."""
