@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from metainfer_gen.apps.llm_args import add_llm_engine_arguments, engine_options
+
 
 def add_generate_parser(subparsers) -> None:
     p = subparsers.add_parser("generate", help="complete prompts with the LLM engine",
@@ -20,6 +22,7 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weights and activations (default float32 on CPU, bfloat16 on CUDA)")
+    add_llm_engine_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(func=cmd_generate)
 
@@ -27,7 +30,8 @@ def add_generate_parser(subparsers) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from metainfer_gen.pipelines.text_generation import TextGenerationPipeline
 
-    pipe = TextGenerationPipeline.from_pretrained(args.model, device=args.device, torch_dtype=args.dtype)
+    pipe = TextGenerationPipeline.from_pretrained(args.model, device=args.device, torch_dtype=args.dtype,
+                                                  **engine_options(args))
     outputs = pipe(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed)
     for prompt, out in zip(args.prompt, outputs):

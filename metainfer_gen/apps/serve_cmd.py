@@ -15,6 +15,7 @@ import os
 import sys
 
 from metainfer_gen.apps.arg_types import port, positive_int
+from metainfer_gen.apps.llm_args import add_llm_engine_arguments, engine_options
 
 DEFAULT_PORT = 8000
 API_KEY_ENV = "METAINFER_GEN_API_KEY"
@@ -50,6 +51,7 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weights and activations (default float32 on CPU, bfloat16 on CUDA)")
+    add_llm_engine_arguments(p)
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
                    help="uvicorn's log level (default info, with an access log)")
     p.set_defaults(func=cmd_serve)
@@ -64,7 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     engine = {name: getattr(args, name) for name in ("max_model_len", "num_kv_blocks", "device", "dtype")
-              if getattr(args, name) is not None}
+              if getattr(args, name) is not None} | engine_options(args)
     config = ServeConfig(llm=args.llm, host=args.host, port=args.port, api_key=args.api_key,
                          max_num_seqs=args.max_num_seqs, max_body_bytes=args.max_body_bytes,
                          served_model_name=args.served_model_name, engine=engine)

@@ -1,0 +1,26 @@
+"""The command-line options that configure the LLM engine, shared by ``metainfer-gen generate`` and ``serve``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_llm_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """``--quantization`` and ``--kv-cache-dtype`` (read back with :func:`engine_options`)."""
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="fp8: linear weights in float8_e4m3fn with 128x128 block scales (an FP8 checkpoint stays "
+                        "FP8; a bf16 one is quantised on load); default: the checkpoint's own weights")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="fp8: the latent KV cache in float8_e4m3fn, half the bytes of bf16 (default auto: the run "
+                        "dtype)")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`~metainfer_gen.llm.config.EngineConfig` fields these options set (only those given)."""
+    options: dict[str, Any] = {}
+    if args.quantization is not None:
+        options["quantization"] = args.quantization
+    if args.kv_cache_dtype != "auto":
+        options["kv_cache_dtype"] = args.kv_cache_dtype
+    return options
