@@ -35,7 +35,7 @@ def apply_model_options(pipe, args: argparse.Namespace) -> None:
     if args.fused_kernels:
         pipe.enable_fused_kernels()
     if args.embed_memo:
-        try:
-            pipe.enable_embed_memo()
-        except ValueError:
-            pass  # not a Wan-style embedder: nothing to memoise, the model runs as it is
+        from metainfer_gen.video.cache.embed_memo import embed_memo_refusal
+
+        if any(embed_memo_refusal(model) is None for model in pipe.transformers):
+            pipe.enable_embed_memo()  # else no Wan-style embedder: nothing to memoise, the model runs as it is

@@ -60,8 +60,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 1, or 0 / -1 to keep every token; got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (1 keeps every token); got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an int or None; got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -2**63 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an int in [-2**63, 2**64) (a 64-bit generator seed) or None; got "
+                             f"{self.seed!r}")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
 
     @property

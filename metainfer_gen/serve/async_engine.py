@@ -106,7 +106,6 @@ class AsyncLLMEngine:
         self._requests: dict[str, _Request] = {}
         self._closing = False
         self.num_steps = 0
-        self.max_abort_lag_steps = 0  # most engine steps between an ``abort`` call and its effect (<= 1)
         self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
         self._thread.start()
 
@@ -137,7 +136,7 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         """End a request before the next engine step (its stream gets a finished event, reason "abort").
         Unknown or finished ids are ignored."""
-        self._post(("abort", request_id, self.num_steps))
+        self._post(("abort", request_id))
 
     @property
     def num_open_requests(self) -> int:
@@ -179,7 +178,12 @@ class AsyncLLMEngine:
                 self.metrics.on_step(self.engine)
             now = time.perf_counter()
             for output in outputs:
-                self._deliver(output, now)
+                try:
+                    self._deliver(output, now)
+                except Exception as exc:  # one request's detokenizing or sending failed: that request ends
+                    log.exception("delivering request %s failed", output.request_id)
+                    if output.request_id in self._requests:
+                        self._abort(output.request_id, "error", f"delivering the output failed: {exc}")
 
     def _apply_commands(self) -> bool:
         """Apply queued commands; False once closed."""
@@ -192,8 +196,6 @@ class AsyncLLMEngine:
             if kind == "add":
                 self._add(*command[1:])
             elif kind == "abort":
-                # Steps that completed between the call and now: 0, or 1 when a step was running at the call.
-                self.max_abort_lag_steps = max(self.max_abort_lag_steps, self.num_steps - command[2])
                 self._abort(command[1], "abort")
             else:
                 for request_id in list(self._requests):

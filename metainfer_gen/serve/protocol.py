@@ -166,8 +166,9 @@ def _common(body: dict, *, max_tokens_default: int | None, max_tokens=...) -> Ge
     if top_k is not None and (not _is_int(top_k) or top_k < -1):
         raise bad_request(f"top_k must be an integer >= 1, or 0 / -1 for all tokens; got {top_k!r}", "top_k")
     seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise bad_request(f"seed must be an integer; got {seed!r}", "seed")
+    if seed is not None and (not _is_int(seed) or not -2**63 <= seed < 2**64):
+        raise bad_request(f"seed must be an integer in [-2**63, 2**64) (a 64-bit generator seed); got {seed!r}",
+                          "seed")
     try:
         stop = check_stop_strings(body.get("stop"))
     except ValueError as exc:

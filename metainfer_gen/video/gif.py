@@ -43,10 +43,12 @@ def write_gif(frames: np.ndarray, path: str | os.PathLike, delays: list[int]) ->
     Frames with at most 256 colours are stored exactly.
 
     Raises:
-        ValueError: ``delays`` does not hold one whole number in 0..65535 per frame.
+        ValueError: no frames, or ``delays`` does not hold one whole number in 0..65535 per frame.
     """
     from PIL import GifImagePlugin, Image
 
+    if len(frames) == 0:
+        raise ValueError("a GIF needs at least one frame; got 0")
     if len(delays) != len(frames) or any(not isinstance(d, int) or not 0 <= d <= MAX_DELAY_CS for d in delays):
         raise ValueError(f"delays must be one integer in 0..{MAX_DELAY_CS} centiseconds per frame ({len(frames)}); "
                          "make them with gif_delays(num_frames, fps)")

@@ -27,9 +27,11 @@ def test_the_embed_memo_is_on_by_default_and_off_with_the_flag(tiny_wan_dir):
 def test_a_model_the_memo_does_not_fit_still_loads(tiny_wan_dir, monkeypatch):
     pipe = pipelines.TextToVideoPipeline.from_pretrained(str(tiny_wan_dir))
 
-    def refuse(self):
-        raise ValueError("cannot enable the embed memo: no Wan condition embedder")
+    def must_not_run(self):
+        raise AssertionError("enable_embed_memo called on a model the memo does not fit")
 
-    monkeypatch.setattr(type(pipe), "enable_embed_memo", refuse)
+    monkeypatch.setattr("metainfer_gen.video.cache.embed_memo.embed_memo_refusal",
+                        lambda model: "no Wan condition embedder")
+    monkeypatch.setattr(type(pipe), "enable_embed_memo", must_not_run)
     apply_model_options(pipe, _args())  # a default that does not apply is skipped, not an error
     assert not pipe.embed_memo_enabled

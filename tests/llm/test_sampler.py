@@ -54,3 +54,13 @@ def test_sampling_follows_the_distribution():
 def test_bad_params_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_a_seed_outside_64_bits_is_refused_at_the_request():
+    import pytest
+
+    from metainfer_gen.llm import SamplingParams
+
+    with pytest.raises(ValueError, match="64-bit"):
+        SamplingParams(seed=2**70)
+    SamplingParams(seed=2**64 - 1)

@@ -129,9 +129,8 @@ def test_client_closing_the_socket_aborts_within_one_step(server, capsys):
         steps, seconds = _close_after(server, request, 0.5)
         with capsys.disabled():
             print(f"\n{request.__name__} request closed after 0.5 s: {steps} engine step(s), {seconds * 1e3:.1f} ms "
-                  f"until idle; abort applied at most {server.front.max_abort_lag_steps} step after the call")
+                  f"until idle")
         # From the socket closing to the abort call, uvicorn's event loop must notice and get the GIL from the
-        # engine thread (a step of this tiny model is ~2 ms): a few steps. From the call to its effect: <= 1.
+        # engine thread (a step of this tiny model is ~2 ms): a few steps (the call to its effect: test_async_engine).
         assert steps <= 10 and seconds < 1.0, (request.__name__, steps, seconds)
-        assert server.front.max_abort_lag_steps <= 1
         assert free_blocks(server)[0] == free_blocks(server)[1]

@@ -48,7 +48,7 @@ def param_of(words: str) -> str | None:
     ("temperature", "NaN", "finite number"), ("temperature", -1, ">= 0"), ("top_p", 0, "(0, 1]"),
     ("top_p", 1.5, "(0, 1]"), ("max_tokens", 0, ">= 1"), ("max_tokens", -3, ">= 1"), ("max_tokens", "8", ">= 1"),
     ("n", 3, "must be 1"), ("model", "gpt-4o", "does not exist"), ("stop", "", "non-empty"),
-    ("top_k", -2, "top_k"), ("seed", 1.5, "integer"), ("logprobs", 2, "not supported"),
+    ("top_k", -2, "top_k"), ("seed", 1.5, "integer"), ("seed", 2**70, "64-bit"), ("logprobs", 2, "not supported"),
     ("stream_options", {"include_usage": True}, "only with stream"), ("prompt", "   ", "empty"),
     ("prompt", [], "non-empty"), ("prompt", ["a", "b"], "one prompt per request"), ("ignore_eos", "yes", "true or"),
 ])

@@ -272,3 +272,10 @@ def test_an_output_saved_at_fps_0_is_refused_not_written_at_its_default(tmp_path
     with pytest.raises(ValueError, match="fps must be a finite number > 0"):
         out.save(tmp_path / "clip.mp4", fps=0)
     assert not (tmp_path / "clip.mp4").exists()
+
+
+def test_write_gif_refuses_no_frames(tmp_path):
+    from metainfer_gen.video.gif import write_gif
+
+    with pytest.raises(ValueError, match="at least one frame"):
+        write_gif(np.zeros((0, 8, 8, 3), np.uint8), tmp_path / "x.gif", [])
