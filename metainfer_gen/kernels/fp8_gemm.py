@@ -5,7 +5,9 @@ activation scale of each row and the weight scale of the tile before it is added
 ``inference/kernel.py`` ``fp8_gemm_kernel``; DeepGEMM's scaling). The last K block and the last N tile may be
 partial: the kernel masks the missing values to zero and still applies that block's scale (dropping it is the
 classic bug, with errors near 1e4). Public engines refuse such shapes (DeepGEMM: ``N % 64`` and ``K % 128``); this
-kernel takes any K and N.
+kernel takes any K and N. Below sm_89 (no fp8 MMA, no e4m3 in Triton) it decodes both tiles to fp16 in registers
+(:mod:`~metainfer_gen.kernels.fp8_codec`) and takes fp16 dots: every e4m3 value and every product of two is exact
+there, so only the fp32 summation differs, as on sm_89+.
 
 The CPU has no block-scaled ``_scaled_mm`` (row-wise and per-tensor only), so the torch reference dequantises both
 operands per block to float32 and multiplies once: the same products, summed in another order.
@@ -15,9 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from metainfer_gen.kernels.common import contiguous_refusal, first_refusal, lazy_triton_kernel, triton_refusal
+from metainfer_gen.kernels.common import contiguous_refusal, first_refusal, triton_refusal
+from metainfer_gen.kernels.fp8_codec import HARDWARE_FP8_ARCH, fp8_bits, lazy_fp8_kernel, software_fp8
 from metainfer_gen.kernels.fp8_quant import (FP8_BLOCK, FP8_DTYPE, check_fp8_weight, dequantize_fp8_weight_reference,
-                                             fp8_act_quant, fp8_arithmetic_refusal, quantize_fp8_weight)
+                                             fp8_act_quant, quantize_fp8_weight)
 from metainfer_gen.kernels.launch import launch, target_arch
 from metainfer_gen.kernels.registry import Op, register_op
 
@@ -32,11 +35,12 @@ def fp8_block_gemm_reference(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torc
     return (x @ dequantize_fp8_weight_reference(w_q, w_scale).T).to(out_dtype)
 
 
-# Bound on the first kernel build (triton is imported lazily); kernels look names up in module globals.
-tl = triton = None
+# Bound on the first kernel build (triton is imported lazily) and, for the codec, on every _kernel() call
+# (lazy_fp8_kernel); kernels look names up in module globals.
+tl = triton = e4m3_to_fp16 = fp32_to_e4m3 = None
 
 
-@lazy_triton_kernel
+@lazy_fp8_kernel
 def _kernel():
     global tl, triton  # kernels resolve names through module globals (closures are not seen)
     import triton
@@ -44,9 +48,9 @@ def _kernel():
 
     @triton.jit
     def fp8_gemm_kernel(
-        x_ptr,  # (M, K) fp8 activations, contiguous
+        x_ptr,  # (M, K) fp8 activations (uint8 codes when SOFT_FP8), contiguous
         xs_ptr,  # (M, KB) float32 activation scales, KB = ceil(K / 128)
-        w_ptr,  # (N, K) fp8 weight, contiguous
+        w_ptr,  # (N, K) fp8 weight (uint8 codes when SOFT_FP8), contiguous
         ws_ptr,  # (ceil(N / 128), KB) float32 weight scales
         y_ptr,  # (M, N) output, contiguous
         M,
@@ -56,6 +60,7 @@ def _kernel():
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,  # divides 128, so a tile of N uses one row of weight scales
         BLOCK_K: tl.constexpr,  # 128, the scale block
+        SOFT_FP8: tl.constexpr,  # decode to fp16 in software and take fp16 dots (no fp8 MMA below sm_89)
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -70,6 +75,9 @@ def _kernel():
                         mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
             b = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + k[None, :],
                         mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0)
+            if SOFT_FP8:  # e4m3 values are exact in fp16: the fp16 MMA forms the same products in fp32
+                a = e4m3_to_fp16(a)
+                b = e4m3_to_fp16(b)
             a_s = tl.load(xs_ptr + rows * num_kb + kb, mask=rows < M, other=0.0)
             b_s = tl.load(ws_ptr + scale_row * num_kb + kb)
             acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s  # the partial last K block keeps its scales
@@ -87,21 +95,28 @@ def fp8_gemm_config(m: int, n: int, arch: int | None) -> dict:
     (``benchmarks/triton_aot.py``); 32 x 32 tiles on 8 warps (182-186 registers) and 16 x 32 on 4 warps at decode
     spill nothing on sm_89, sm_90 and sm_120 (32 x 32 on 4 warps spilled 36 B on sm_90; 64 x 64 on 8 warps 252-524
     B). Small tiles cost reuse; larger ones need the K loop split below the scale block.
-    sm_80 has no fp8 MMA (the dispatch refuses fp8 there; the compile fails).
+    Below sm_89 (no fp8 MMA) the tiles are decoded to fp16 in registers (``fp8_codec``) for fp16 MMAs: on sm_80
+    16 x 32 on 4 warps takes all 255 registers (no spills yet), on 8 warps 160; 32 x 32 on 8 warps 198 (on 4
+    warps it spills 24 B), so the decode tile gets 8 warps there.
     """
     block_m = 16 if m <= 16 else 32
-    return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=FP8_BLOCK, num_warps=4 if block_m == 16 else 8)
+    software = arch is not None and arch < HARDWARE_FP8_ARCH
+    return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=FP8_BLOCK, num_warps=4 if block_m == 16 and not software else 8)
 
 
 def fp8_block_gemm_triton(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                          out_dtype: torch.dtype) -> torch.Tensor:
+                          out_dtype: torch.dtype, software: bool | None = None) -> torch.Tensor:
+    """The Triton form of :func:`fp8_block_gemm`; ``software`` forces the sm_80 e4m3 decode and fp16 dots on or
+    off (None: from the device, :func:`~metainfer_gen.kernels.fp8_codec.software_fp8`)."""
     m, k = x_q.shape
     n = w_q.shape[0]
+    soft = software_fp8(x_q.device, software)
     y = torch.empty(m, n, device=x_q.device, dtype=out_dtype)
     if m and n:
         meta = fp8_gemm_config(m, n, target_arch(x_q.device))
         grid = (-(-m // meta["BLOCK_M"]), -(-n // meta["BLOCK_N"]))
-        launch(_kernel(), grid, x_q, x_scale, w_q, w_scale, y, m, n, k, x_scale.shape[1], **meta)
+        launch(_kernel(), grid, fp8_bits(x_q, soft), x_scale, fp8_bits(w_q, soft), w_scale, y, m, n, k,
+               x_scale.shape[1], SOFT_FP8=soft, **meta)
     return y
 
 
@@ -109,7 +124,7 @@ def _triton_supports(x_q, x_scale, w_q, w_scale, out_dtype) -> str | None:
     return first_refusal(
         triton_refusal(x_q, x_scale, w_q, w_scale),
         contiguous_refusal("x_q", x_q), contiguous_refusal("x_scale", x_scale), contiguous_refusal("w_q", w_q),
-        contiguous_refusal("w_scale", w_scale), fp8_arithmetic_refusal(x_q),
+        contiguous_refusal("w_scale", w_scale),
     )
 
 

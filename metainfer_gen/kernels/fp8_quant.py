@@ -11,7 +11,9 @@ Two ops go through the registry (:func:`fp8_act_quant`, :func:`fp8_weight_dequan
 this file's torch reference. Weight quantisation (:func:`quantize_fp8_weight`) runs once at load time and has
 only the torch form. The Triton activation kernel casts to fp8 in the kernel on a GPU; under
 ``TRITON_INTERPRET=1`` (whose in-kernel fp8 cast is wrong for about 2.5% of values) it stores the scaled float32
-values and torch casts them, so the interpreter tests check the kernel's grouping and scales bit-exactly.
+values and torch casts them, so the interpreter tests check the kernel's grouping and scales bit-exactly. Below
+sm_89 (sm_80, sm_86: Triton has no e4m3 there) both kernels work on the uint8 codes and convert in software
+(:mod:`~metainfer_gen.kernels.fp8_codec`, bit-exact with torch's casts); the interpreter tests force that path too.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from __future__ import annotations
 import torch
 
 from metainfer_gen import platform
-from metainfer_gen.kernels.common import (_max_combine, contiguous_refusal, dtype_refusal, first_refusal,
-                                          lazy_triton_kernel, triton_refusal)
+from metainfer_gen.kernels.common import _max_combine, contiguous_refusal, dtype_refusal, first_refusal, triton_refusal
+from metainfer_gen.kernels.fp8_codec import fp8_bits, lazy_fp8_kernel, software_fp8
 from metainfer_gen.kernels.launch import launch
 from metainfer_gen.kernels.registry import Op, register_op
 
 __all__ = ["FP8_BLOCK", "FP8_DTYPE", "FP8_MAX", "check_fp8_weight", "dequantize_fp8_weight_reference", "fp8_act_quant",
-           "fp8_act_quant_reference", "fp8_arithmetic_refusal", "fp8_weight_dequant", "quantize_fp8_weight"]
+           "fp8_act_quant_reference", "fp8_weight_dequant", "quantize_fp8_weight"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -76,11 +78,12 @@ def dequantize_fp8_weight_reference(weight: torch.Tensor, scale_inv: torch.Tenso
     return (weight.float() * scales).to(dtype)
 
 
-# Bound on the first kernel build (triton is imported lazily); kernels look names up in module globals.
-tl = triton = max_combine = None
+# Bound on the first kernel build (triton is imported lazily) and, for the codec, on every _kernel() call
+# (lazy_fp8_kernel); kernels look names up in module globals.
+tl = triton = max_combine = e4m3_to_fp16 = fp32_to_e4m3 = None
 
 
-@lazy_triton_kernel
+@lazy_fp8_kernel
 def _kernels():
     global tl, triton, max_combine  # kernels resolve names through module globals (closures are not seen)
     import triton
@@ -93,7 +96,7 @@ def _kernels():
     @triton.jit
     def act_quant_kernel(
         x_ptr,  # (M, K) float activations, row stride stride_x
-        y_ptr,  # (M, K) output: fp8 when STORE_FP8 else float32 (cast by the caller), contiguous
+        y_ptr,  # (M, K) contiguous output: uint8 e4m3 codes (SOFT_FP8), fp8 (STORE_FP8), else float32 (torch casts)
         s_ptr,  # (M, KG) float32 scales, contiguous
         K,
         KG,  # ceil(K / 128) groups per row
@@ -102,6 +105,7 @@ def _kernels():
         FP8_MAX: tl.constexpr,
         GROUP: tl.constexpr,  # 128 values per scale
         STORE_FP8: tl.constexpr,
+        SOFT_FP8: tl.constexpr,  # encode in software (no e4m3 conversion below sm_89, see fp8_codec)
     ):
         row = tl.program_id(0).to(tl.int64)
         group = tl.program_id(1)
@@ -110,27 +114,31 @@ def _kernels():
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         scale = tl.maximum(tl.reduce(tl.abs(x), 0, max_combine), MIN_AMAX) / FP8_MAX
         y = x / scale
-        if STORE_FP8:
+        if SOFT_FP8:
+            y = fp32_to_e4m3(y)
+        elif STORE_FP8:
             y = y.to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + row * K + cols, y, mask=mask)
         tl.store(s_ptr + row * KG + group, scale)
 
     @triton.jit
     def weight_dequant_kernel(
-        w_ptr,  # (N, K) fp8 weight, contiguous
+        w_ptr,  # (N, K) fp8 weight (uint8 codes when SOFT_FP8), contiguous
         s_ptr,  # (ceil(N/128), ceil(K/128)) float32 scales, contiguous
         y_ptr,  # (N, K) output in the requested dtype, contiguous
         N,
         K,
         KB,  # ceil(K / 128) scale columns
         BLOCK: tl.constexpr,  # 128: one program per weight tile
+        SOFT_FP8: tl.constexpr,  # decode in software (see fp8_codec)
     ):
         bn = tl.program_id(0)
         bk = tl.program_id(1)
         rows = bn * BLOCK + tl.arange(0, BLOCK)[:, None]
         cols = bk * BLOCK + tl.arange(0, BLOCK)[None, :]
         mask = (rows < N) & (cols < K)  # partial last tiles keep their own scale
-        w = tl.load(w_ptr + rows.to(tl.int64) * K + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rows.to(tl.int64) * K + cols, mask=mask)  # masked values are never stored
+        w = (e4m3_to_fp16(w) if SOFT_FP8 else w).to(tl.float32)
         scale = tl.load(s_ptr + bn * KB + bk)
         tl.store(y_ptr + rows.to(tl.int64) * K + cols, (w * scale).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -142,46 +150,41 @@ def _kernels():
 WEIGHT_DEQUANT_WARPS = 16
 
 
-def fp8_act_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_act_quant_triton(x: torch.Tensor, software: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton form of :func:`fp8_act_quant`; ``software`` forces the sm_80 e4m3 encode on or off (None: from
+    the device, :func:`~metainfer_gen.kernels.fp8_codec.software_fp8`)."""
     m, k = x.shape
-    store_fp8 = not platform.triton_interpret_requested()
+    soft = software_fp8(x.device, software)
+    store_fp8 = soft or not platform.triton_interpret_requested()
     y = torch.empty(m, k, device=x.device, dtype=FP8_DTYPE if store_fp8 else torch.float32)
     scale = torch.empty(m, _num_blocks(k), device=x.device, dtype=torch.float32)
     if m and k:
-        launch(_kernels()[0], (m, _num_blocks(k)), x, y, scale, k, _num_blocks(k), x.stride(0), _MIN_AMAX,
-               FP8_MAX=FP8_MAX, GROUP=FP8_BLOCK, STORE_FP8=store_fp8, num_warps=4)
+        launch(_kernels()[0], (m, _num_blocks(k)), x, fp8_bits(y, soft), scale, k, _num_blocks(k), x.stride(0),
+               _MIN_AMAX, FP8_MAX=FP8_MAX, GROUP=FP8_BLOCK, STORE_FP8=store_fp8 and not soft, SOFT_FP8=soft,
+               num_warps=4)
     return (y if store_fp8 else y.to(FP8_DTYPE)), scale
 
 
-def fp8_weight_dequant_triton(weight: torch.Tensor, scale_inv: torch.Tensor,
-                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def fp8_weight_dequant_triton(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
+                              software: bool | None = None) -> torch.Tensor:
+    """The Triton form of :func:`fp8_weight_dequant`; ``software`` as in :func:`fp8_act_quant_triton`."""
     n, k = weight.shape
+    soft = software_fp8(weight.device, software)
     out = torch.empty(n, k, device=weight.device, dtype=dtype)
     if n and k:
-        launch(_kernels()[1], (_num_blocks(n), _num_blocks(k)), weight, scale_inv, out, n, k, _num_blocks(k),
-               BLOCK=FP8_BLOCK, num_warps=WEIGHT_DEQUANT_WARPS)
+        launch(_kernels()[1], (_num_blocks(n), _num_blocks(k)), fp8_bits(weight, soft), scale_inv, out, n, k,
+               _num_blocks(k), BLOCK=FP8_BLOCK, SOFT_FP8=soft, num_warps=WEIGHT_DEQUANT_WARPS)
     return out
-
-
-def fp8_arithmetic_refusal(*tensors: torch.Tensor) -> str | None:
-    """Why fp8 values cannot be computed on in a compiled Triton kernel here (GPU without fp8 units)."""
-    if platform.triton_interpret_requested() or not any(t.is_cuda for t in tensors):
-        return None
-    caps = platform.capabilities()
-    if caps.compute_capability is not None and caps.compute_capability < (8, 9):
-        return f"compute capability {caps.compute_capability} has no fp8 conversion (needs sm89+)"
-    return None
 
 
 def _act_supports(x) -> str | None:
     return first_refusal(triton_refusal(x), dtype_refusal("x", x),
-                         None if x.stride(-1) == 1 else f"x rows are strided (stride {tuple(x.stride())})",
-                         fp8_arithmetic_refusal(x))
+                         None if x.stride(-1) == 1 else f"x rows are strided (stride {tuple(x.stride())})")
 
 
 def _dequant_supports(weight, scale_inv, dtype=torch.float32) -> str | None:
     return first_refusal(triton_refusal(weight, scale_inv), contiguous_refusal("weight", weight),
-                         contiguous_refusal("scale_inv", scale_inv), fp8_arithmetic_refusal(weight))
+                         contiguous_refusal("scale_inv", scale_inv))
 
 
 def _act_example(device: str, dtype: torch.dtype):

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from metainfer_gen.kernels.common import (_sum_combine, contiguous_refusal, first_refusal, lazy_triton_kernel, pow2_at_least,
+from metainfer_gen.kernels.common import (_sum_combine, contiguous_refusal, first_refusal, pow2_at_least,
                                           triton_refusal)
-from metainfer_gen.kernels.fp8_quant import FP8_DTYPE, fp8_arithmetic_refusal
+from metainfer_gen.kernels.fp8_codec import fp8_bits, lazy_fp8_kernel, software_fp8
+from metainfer_gen.kernels.fp8_quant import FP8_DTYPE
 from metainfer_gen.kernels.indexer_tiled import indexer_topk_tiled
 from metainfer_gen.kernels.launch import launch, target_arch
 from metainfer_gen.kernels.registry import Op, register_op
@@ -72,11 +73,12 @@ def topk_overlap(picked: torch.Tensor, reference: torch.Tensor) -> float:
     return 1.0 if total == 0 else int(hits.sum()) / total
 
 
-# Bound on the first kernel build (triton is imported lazily); kernels look names up in module globals.
-tl = triton = sum_combine = None
+# Bound on the first kernel build (triton is imported lazily) and, for the codec, on every _kernel() call
+# (lazy_fp8_kernel); kernels look names up in module globals.
+tl = triton = sum_combine = e4m3_to_fp16 = fp32_to_e4m3 = None
 
 
-@lazy_triton_kernel
+@lazy_fp8_kernel
 def _kernel():
     global tl, triton, sum_combine  # kernels resolve names through module globals (closures are not seen)
     import triton
@@ -88,7 +90,7 @@ def _kernel():
     def indexer_scores_kernel(
         q_ptr,  # (B, n, H, D) contiguous queries
         w_ptr,  # (B, n, H) contiguous head weights
-        k_ptr,  # (B, L, D) keys, rows with unit stride, batch stride stride_kb, row stride stride_kl
+        k_ptr,  # (B, L, D) keys (uint8 e4m3 codes when SOFT_FP8), unit stride in a row, strides stride_kb, stride_kl
         len_ptr,  # (B, n) int64 visible keys per query
         out_ptr,  # (B, n, L) float32 scores
         n,
@@ -101,6 +103,7 @@ def _kernel():
         BLOCK_H: tl.constexpr,  # >= H and >= 16 (tl.dot)
         BLOCK_D: tl.constexpr,  # >= D and >= 16
         BLOCK_L: tl.constexpr,  # keys per program
+        SOFT_FP8: tl.constexpr,  # fp8 keys decoded in software (no e4m3 conversion below sm_89, see fp8_codec)
     ):
         query = tl.program_id(0).to(tl.int64)  # flat (b, i)
         b = query // n
@@ -110,7 +113,8 @@ def _kernel():
         q = tl.load(q_ptr + query * H * D + h[:, None] * D + d[None, :], mask=(h[:, None] < H) & (d[None, :] < D),
                     other=0.0).to(tl.float32)
         k = tl.load(k_ptr + b * stride_kb + keys[:, None].to(tl.int64) * stride_kl + d[None, :],
-                    mask=(keys[:, None] < L) & (d[None, :] < D), other=0.0).to(tl.float32)
+                    mask=(keys[:, None] < L) & (d[None, :] < D), other=0.0)
+        k = (e4m3_to_fp16(k) if SOFT_FP8 else k).to(tl.float32)
         w = tl.load(w_ptr + query * H + h, mask=h < H, other=0.0).to(tl.float32)
         # ieee: the reference is a float32 matmul, and tf32 (Triton's default) keeps 10 mantissa bits, enough to
         # reorder near-tied scores and so the top-k picks.
@@ -134,15 +138,19 @@ def indexer_config(heads: int, dim: int, arch: int | None) -> dict:
     return dict(BLOCK_H=pow2_at_least(heads), BLOCK_D=pow2_at_least(dim), BLOCK_L=block_l, num_warps=8)
 
 
-def indexer_topk_triton(q, weights, keys, lengths, topk: int, scale: float) -> torch.Tensor:
+def indexer_topk_triton(q, weights, keys, lengths, topk: int, scale: float,
+                        software: bool | None = None) -> torch.Tensor:
+    """The Triton form of :func:`indexer_topk`; ``software`` forces the sm_80 decode of fp8 keys on or off (None: from
+    the device, :func:`~metainfer_gen.kernels.fp8_codec.software_fp8`)."""
     batch, n, heads, dim = q.shape
     length = keys.shape[1]
+    soft = keys.dtype == FP8_DTYPE and software_fp8(keys.device, software)
     scores = torch.empty(batch, n, length, device=q.device, dtype=torch.float32)
     if batch * n and length:
         meta = indexer_config(heads, dim, target_arch(q.device))
         launch(_kernel(), (batch * n, -(-length // meta["BLOCK_L"])),
-            q, weights, keys, lengths, scores, n, heads, dim, length, keys.stride(0), keys.stride(1), float(scale),
-            **meta)
+            q, weights, fp8_bits(keys, soft), lengths, scores, n, heads, dim, length, keys.stride(0), keys.stride(1),
+            float(scale), SOFT_FP8=soft, **meta)
     return select_topk(scores, lengths, topk)
 
 
@@ -152,7 +160,6 @@ def _triton_supports(q, weights, keys, lengths, topk, scale) -> str | None:
         contiguous_refusal("q", q), contiguous_refusal("weights", weights), contiguous_refusal("lengths", lengths),
         None if keys.stride(-1) == 1 else f"key rows are strided (stride {tuple(keys.stride())})",
         None if q.shape[2] * q.shape[3] * 4 <= 65536 else "q row over 64 KB: one program holds all heads",
-        fp8_arithmetic_refusal(keys) if keys.dtype == FP8_DTYPE else None,
     )
 
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 
 from metainfer_gen import platform
-from metainfer_gen.kernels.common import (_max_combine, _sum_combine, contiguous_refusal, dtype_refusal, first_refusal, lazy_triton_kernel,
+from metainfer_gen.kernels.common import (_max_combine, _sum_combine, contiguous_refusal, dtype_refusal, first_refusal,
                                           pow2_at_least, triton_refusal)
-from metainfer_gen.kernels.fp8_quant import FP8_DTYPE, fp8_arithmetic_refusal
+from metainfer_gen.kernels.fp8_codec import fp8_bits, lazy_fp8_kernel, software_fp8
+from metainfer_gen.kernels.fp8_quant import FP8_DTYPE
 from metainfer_gen.kernels.launch import launch, target_arch
 from metainfer_gen.kernels.registry import Op, register_op
 
@@ -50,11 +51,12 @@ def sparse_mla_reference(q: torch.Tensor, kv_rows: torch.Tensor, indices: torch.
     return torch.matmul(probs, context[..., :value_dim])
 
 
-# Bound on the first kernel build (triton is imported lazily); kernels look names up in module globals.
-tl = triton = sum_combine = max_combine = None
+# Bound on the first kernel build (triton is imported lazily) and, for the codec, on every _kernel() call
+# (lazy_fp8_kernel); kernels look names up in module globals.
+tl = triton = sum_combine = max_combine = e4m3_to_fp16 = fp32_to_e4m3 = None
 
 
-@lazy_triton_kernel
+@lazy_fp8_kernel
 def _kernel():
     global tl, triton, sum_combine, max_combine  # kernels resolve names through module globals
     import triton
@@ -67,7 +69,7 @@ def _kernel():
     @triton.jit
     def sparse_mla_kernel(
         q_ptr,  # (T, N, R + P) contiguous absorbed queries
-        kv_ptr,  # (S, row) cache rows, unit stride within a row, row stride stride_kv
+        kv_ptr,  # (S, row) cache rows (uint8 e4m3 codes when SOFT_FP8), unit stride in a row, row stride stride_kv
         idx_ptr,  # (T, K) int64 slots, -1 = padding
         out_ptr,  # (T, N, R) contiguous output, q dtype
         N,
@@ -81,6 +83,7 @@ def _kernel():
         BLOCK_R: tl.constexpr,
         BLOCK_P: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        SOFT_FP8: tl.constexpr,  # fp8 rows decoded in software (no e4m3 conversion below sm_89, see fp8_codec)
     ):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -98,8 +101,13 @@ def _kernel():
             slot = tl.load(idx_ptr + t * K + j, mask=j < K, other=-1)
             valid = slot >= 0
             row = kv_ptr + tl.maximum(slot, 0)[:, None] * stride_kv
-            c = tl.load(row + r[None, :], mask=valid[:, None] & (r[None, :] < R), other=0.0).to(dot_dtype)
-            pe = tl.load(row + R + p[None, :], mask=valid[:, None] & (p[None, :] < P), other=0.0).to(dot_dtype)
+            c = tl.load(row + r[None, :], mask=valid[:, None] & (r[None, :] < R), other=0.0)
+            pe = tl.load(row + R + p[None, :], mask=valid[:, None] & (p[None, :] < P), other=0.0)
+            if SOFT_FP8:
+                c = e4m3_to_fp16(c)
+                pe = e4m3_to_fp16(pe)
+            c = c.to(dot_dtype)
+            pe = pe.to(dot_dtype)
             # ieee: float32 dots (UPCAST) must match the float32 reference, not tf32's 10-bit mantissa; bf16 and
             # fp16 dots are unaffected by the precision argument.
             s = (tl.dot(q_lat, tl.trans(c), input_precision="ieee")
@@ -136,15 +144,18 @@ def sparse_mla_config(value_dim: int, rope_dim: int, upcast: bool, arch: int | N
 
 
 def sparse_mla_triton(q: torch.Tensor, kv_rows: torch.Tensor, indices: torch.Tensor, value_dim: int,
-                      scale: float) -> torch.Tensor:
+                      scale: float, software: bool | None = None) -> torch.Tensor:
+    """The Triton form of :func:`sparse_mla`; ``software`` forces the sm_80 decode of fp8 rows on or off (None: from
+    the device, :func:`~metainfer_gen.kernels.fp8_codec.software_fp8`)."""
     tokens, heads, dk = q.shape
+    soft = kv_rows.dtype == FP8_DTYPE and software_fp8(kv_rows.device, software)
     out = torch.empty(tokens, heads, value_dim, device=q.device, dtype=q.dtype)
     if tokens and indices.shape[1]:
         upcast = platform.triton_interpret_requested() or q.dtype == torch.float32 or kv_rows.dtype == FP8_DTYPE
         meta = sparse_mla_config(value_dim, dk - value_dim, upcast, target_arch(q.device))
         launch(_kernel(), (tokens, -(-heads // meta["BLOCK_H"])),
-            q, kv_rows, indices, out, heads, indices.shape[1], value_dim, dk - value_dim, kv_rows.stride(0),
-            float(scale), UPCAST=upcast, **meta)
+            q, fp8_bits(kv_rows, soft), indices, out, heads, indices.shape[1], value_dim, dk - value_dim,
+            kv_rows.stride(0), float(scale), UPCAST=upcast, SOFT_FP8=soft, **meta)
     return out
 
 
@@ -155,7 +166,6 @@ def _triton_supports(q, kv_rows, indices, value_dim, scale) -> str | None:
         contiguous_refusal("q", q), contiguous_refusal("indices", indices),
         None if kv_rows.stride(-1) == 1 else f"cache rows are strided (stride {tuple(kv_rows.stride())})",
         None if value_dim <= 1024 else f"kv_lora_rank {value_dim} over 1024: the accumulator would spill",
-        fp8_arithmetic_refusal(kv_rows) if kv_rows.dtype == FP8_DTYPE else None,
     )
 
 

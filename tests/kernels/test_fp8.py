@@ -48,23 +48,30 @@ def test_block_gemm_error_table(k, n):
         assert _rel(fp8_gemm.fp8_block_gemm_reference(x_q, x_s, w_q, dropped, torch.float32), y) > 0.1
 
 
-@pytest.mark.parametrize("k,n", [(64, 64), (200, 192), (320, 576)])
-def test_triton_gemm_matches_reference(interpret, k, n):
-    x_q, x_s = fp8_quant.fp8_act_quant_reference(torch.randn(20, k))
+# software=True: the sm_80 path (e4m3 decoded/encoded in the kernel from uint8 codes, fp16 dots; fp8_codec).
+SOFTWARE = pytest.mark.parametrize("software", [False, True], ids=["fp8", "soft-e4m3"])
+
+
+@SOFTWARE
+@pytest.mark.parametrize("m,k,n", [(20, 64, 64), (16, 200, 192), (33, 320, 576)])
+def test_triton_gemm_matches_reference(interpret, m, k, n, software):
+    x_q, x_s = fp8_quant.fp8_act_quant_reference(torch.randn(m, k))
     w_q, w_s = fp8_quant.quantize_fp8_weight(torch.randn(n, k))
     ref = fp8_gemm.fp8_block_gemm_reference(x_q, x_s, w_q, w_s, torch.float32)
-    assert _rel(fp8_gemm.fp8_block_gemm_triton(x_q, x_s, w_q, w_s, torch.float32), ref) < 1e-5
+    assert _rel(fp8_gemm.fp8_block_gemm_triton(x_q, x_s, w_q, w_s, torch.float32, software), ref) < 1e-5
 
 
+@SOFTWARE
 @pytest.mark.parametrize("shape", [(5, 64), (3, 200), (2, 384)])
-def test_triton_act_quant_and_dequant_match_reference(interpret, shape):
-    x = torch.randn(*shape) * 3
+def test_triton_act_quant_and_dequant_match_reference(interpret, shape, software):
+    x = torch.randn(*shape) * torch.exp2(torch.randint(-12, 12, shape).float())  # into the e4m3 subnormals
     q_ref, s_ref = fp8_quant.fp8_act_quant_reference(x)
-    q, s = fp8_quant.fp8_act_quant_triton(x)
+    q, s = fp8_quant.fp8_act_quant_triton(x, software)
     assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     w_q, w_s = fp8_quant.quantize_fp8_weight(torch.randn(shape[1] + 70, shape[1]))
-    assert torch.equal(fp8_quant.fp8_weight_dequant_triton(w_q, w_s),
-                       fp8_quant.dequantize_fp8_weight_reference(w_q, w_s))
+    for dtype in (torch.float32, torch.float16):  # not bf16: the interpreter's fp32 -> bf16 cast truncates
+        assert torch.equal(fp8_quant.fp8_weight_dequant_triton(w_q, w_s, dtype, software),
+                           fp8_quant.dequantize_fp8_weight_reference(w_q, w_s, dtype))
 
 
 def test_quantisation_round_trip_and_scale_grid_checks():

@@ -37,10 +37,13 @@ def test_indexer_scores_follow_the_definition():
     torch.testing.assert_close(scores[0, 0], torch.stack(expected), atol=1e-5, rtol=1e-5)
 
 
-def test_triton_indexer_matches_reference(interpret):
+@pytest.mark.parametrize("dtype,software", [(torch.float32, None), (torch.float8_e4m3fn, False),
+                                            (torch.float8_e4m3fn, True)], ids=["float32", "fp8", "fp8-soft-e4m3"])
+def test_triton_indexer_matches_reference(interpret, dtype, software):
     q, w, keys, lengths = _indexer_inputs()
+    keys = keys.to(dtype)  # an fp8 KV cache keeps the indexer keys in e4m3: scored after an exact upcast
     ref = indexer.indexer_scores_reference(q, w, keys, lengths, 0.25)
-    picked = indexer.indexer_topk_triton(q, w, keys, lengths, 8, 0.25)
+    picked = indexer.indexer_topk_triton(q, w, keys, lengths, 8, 0.25, software)
     # Same keys, or a tie within rounding: compare the scores of what each picked.
     got = ref.gather(-1, picked.clamp_min(0)).masked_fill(picked < 0, 0)
     want = ref.gather(-1, indexer.select_topk(ref, lengths, 8).clamp_min(0)).masked_fill(picked < 0, 0)
@@ -56,12 +59,14 @@ def _mla_inputs(dtype=torch.float32, tokens=6, heads=4, rank=32, rope=8, slots=1
     return q, rows, idx, rank
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
-def test_triton_sparse_mla_matches_reference(interpret, dtype):
+# soft-e4m3: the sm_80 path, fp8 rows decoded in the kernel from their uint8 codes (fp8_codec).
+@pytest.mark.parametrize("dtype,software", [(torch.float32, None), (torch.float8_e4m3fn, False),
+                                            (torch.float8_e4m3fn, True)], ids=["float32", "fp8", "fp8-soft-e4m3"])
+def test_triton_sparse_mla_matches_reference(interpret, dtype, software):
     q, rows, idx, rank = _mla_inputs(dtype)
     ref = sparse_attention.sparse_mla_reference(q, rows, idx, rank, 0.2)
-    torch.testing.assert_close(sparse_attention.sparse_mla_triton(q, rows, idx, rank, 0.2), ref, atol=1e-5,
-                               rtol=1e-5)
+    torch.testing.assert_close(sparse_attention.sparse_mla_triton(q, rows, idx, rank, 0.2, software), ref,
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_sparse_mla_over_every_row_is_dense_attention():
