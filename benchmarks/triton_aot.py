@@ -141,7 +141,8 @@ def format_summary(rows: list[tuple[Case, AotResult]], archs: tuple[int, ...]) -
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--archs", default=",".join(map(str, ARCHS)), help="comma-separated sm numbers (default all)")
+    parser.add_argument("--archs", default=",".join(map(str, ARCHS)),
+                        help="comma-separated sm numbers (default 80,89,90,120; 86 also has limits in kernels/aot.py)")
     parser.add_argument("--ops", default=None, help="comma-separated op names (default every Triton op)")
     parser.add_argument("--out", default=None, help="also write the table, with command, date and versions, here")
     args = parser.parse_args(argv)
@@ -165,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
               "# soft-e4m3: below sm_89 (no e4m3 conversion, no fp8 MMA) the fp8 kernels take uint8 codes and",
               "#   decode/encode in software (metainfer_gen/kernels/fp8_codec.py); the GEMM then takes fp16 dots",
               "# warps/SM: resident warps that registers (65536/SM, 256-register units per warp) and shared memory",
-              "#   (164 KB sm_80, 100 KB sm_89/sm_120, 228 KB sm_90, 1 KB reserved per block) allow, within the",
-              "#   warp (64 sm_80/sm_90, 48 sm_89/sm_120) and block (32; 24 sm_89) limits"]
+              "#   (164 KB sm_80, 100 KB sm_86/sm_89/sm_120, 228 KB sm_90, 1 KB reserved per block) allow, within",
+              "#   the warp (64 sm_80/sm_90, 48 sm_86/sm_89/sm_120) and block (32; 24 sm_89, 16 sm_86) limits"]
     if missing:
         header.append(f"# NOT COVERED: {', '.join(missing)}")
     spilled = sorted({f"{case.op} ({case.shapes}) sm_{r.arch}" for case, r in rows if r.spilled})

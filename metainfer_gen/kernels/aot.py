@@ -7,8 +7,8 @@ the compile metadata, and the warps per SM that registers and shared memory allo
 
 Per-SM limits (CUDA C Programming Guide, "Technical Specifications per Compute Capability"): 65536 32-bit
 registers, at most 255 per thread, allocated per warp in units of 256; 164 KB shared memory on sm_80, 100 KB on
-sm_89 and sm_120, 228 KB on sm_90, 1 KB of it reserved per block; 64 resident warps on sm_80/sm_90, 48 on
-sm_89/sm_120; 32 resident blocks (24 on sm_89).
+sm_86, sm_89 and sm_120, 228 KB on sm_90, 1 KB of it reserved per block; 64 resident warps on sm_80/sm_90, 48 on
+sm_86/sm_89/sm_120; 32 resident blocks (24 on sm_89, 16 on sm_86).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class ArchLimits:
 
 ARCH_LIMITS: dict[int, ArchLimits] = {
     80: ArchLimits(65536, 164 * 1024, 64, 32),
+    86: ArchLimits(65536, 100 * 1024, 48, 16),
     89: ArchLimits(65536, 100 * 1024, 48, 24),
     90: ArchLimits(65536, 228 * 1024, 64, 32),
     120: ArchLimits(65536, 100 * 1024, 48, 32),

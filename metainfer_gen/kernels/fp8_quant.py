@@ -146,8 +146,10 @@ def _kernels():
 
 
 # A 128 x 128 tile on 4 warps holds 128 values and their 64-bit addresses per thread: 255 registers and 1.2-1.8 KB
-# of spills on sm_89/sm_90; 16 warps take 109 registers, no spills (benchmarks/triton_aot.py), on every arch.
-WEIGHT_DEQUANT_WARPS = 16
+# of spills on sm_89/sm_90; 16 warps take 109 registers, no spills (benchmarks/triton_aot.py). The software decode
+# (below sm_89) on 16 warps hits the 128-register cap of a 512-thread block and spilled 16 B on sm_86; 32 warps take
+# 32-45 registers there, no spills. Keyed by the SOFT_FP8 flag.
+WEIGHT_DEQUANT_WARPS = {False: 16, True: 32}
 
 
 def fp8_act_quant_triton(x: torch.Tensor, software: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +175,7 @@ def fp8_weight_dequant_triton(weight: torch.Tensor, scale_inv: torch.Tensor, dty
     out = torch.empty(n, k, device=weight.device, dtype=dtype)
     if n and k:
         launch(_kernels()[1], (_num_blocks(n), _num_blocks(k)), fp8_bits(weight, soft), scale_inv, out, n, k,
-               _num_blocks(k), BLOCK=FP8_BLOCK, SOFT_FP8=soft, num_warps=WEIGHT_DEQUANT_WARPS)
+               _num_blocks(k), BLOCK=FP8_BLOCK, SOFT_FP8=soft, num_warps=WEIGHT_DEQUANT_WARPS[soft])
     return out
 
 

@@ -1,7 +1,8 @@
 """Ahead-of-time GPU compiles on this CPU: registers and spills are read, fp32 dots compile to IEEE, and the
 AOT table and ``benchmarks/gpu_check.py`` cover every registered op.
 
-The compiles target sm_90 (Triton compiles for any NVIDIA arch without a GPU); each takes about a second.
+The compiles target sm_90, and sm_80/sm_86 for the fp8 kernels' software e4m3 path (Triton compiles for any NVIDIA
+arch without a GPU); each takes about a second.
 """
 
 from __future__ import annotations
@@ -93,6 +94,34 @@ def test_fp32_reference_dots_compile_to_ieee_not_tf32(aot, op, run):
         tf32_mma = [line.strip() for line in result.ptx.splitlines() if re.search(r"\b(w?gmma|mma)\S*tf32", line)]
         assert not tf32_mma, f"{op}: {launch.name} uses tf32 tensor-core MMAs: {tf32_mma[:2]}"
         assert "inputPrecision = tf32" not in result.ttgir, f"{op}: {launch.name} dots are tf32 in TTGIR"
+
+
+def _fp8_launches():
+    """Launches of every kernel that reads or writes e4m3 (fp8 cache keys and rows included), at small shapes."""
+    fp8 = dict(device=META, dtype=torch.float8_e4m3fn)
+    f32 = dict(device=META, dtype=torch.float32)
+    i64 = dict(device=META, dtype=torch.int64)
+    w_q, x_q, scales = torch.empty(256, 256, **fp8), torch.empty(32, 256, **fp8), torch.empty(2, 2, **f32)
+    yield lambda: _impl("fp8_act_quant")(torch.empty(32, 256, device=META, dtype=torch.bfloat16))
+    yield lambda: _impl("fp8_weight_dequant")(w_q, scales, torch.bfloat16)
+    for m in (16, 32):
+        yield lambda m=m: _impl("fp8_block_gemm")(x_q[:m], torch.empty(m, 2, **f32), w_q, scales, torch.bfloat16)
+    yield lambda: _impl("indexer_topk")(torch.empty(1, 4, 64, 128, **f32), torch.empty(1, 4, 64, **f32),
+                                        torch.empty(1, 256, 128, **fp8), torch.empty(1, 4, **i64), 16, 0.1)
+    yield lambda: _impl("sparse_mla")(torch.empty(2, 16, 96, **f32), torch.empty(64, 96, **fp8),
+                                      torch.empty(2, 32, **i64), 64, 0.1)
+
+
+@pytest.mark.parametrize("arch", [80, 86])
+def test_fp8_kernels_compile_below_sm89_in_software(aot, arch):
+    """Triton has no e4m3 below sm_89 ("type fp8e4nv not supported"): the wrappers pick the uint8 software path there,
+    so every fp8 kernel compiles, without spills, and its PTX converts no e4m3 in hardware."""
+    launches = [launch for run in _fp8_launches() for launch in _record(arch, run)]
+    assert len(launches) == 6 and all(launch.meta["SOFT_FP8"] for launch in launches)
+    for launch in launches:
+        result = aot.compile_launch(launch, arch)
+        assert result.error is None, f"{launch.name}: {result.error}"
+        assert result.spilled == 0 and "e4m3" not in result.ptx, launch.name
 
 
 def test_aot_table_covers_every_triton_op(no_interpret):
