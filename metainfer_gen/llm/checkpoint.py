@@ -23,7 +23,7 @@ import torch
 
 __all__ = ["MAPPED_BYTES", "SafetensorsCheckpoint"]
 
-MAPPED_BYTES = 64 << 20
+MAPPED_BYTES = 16 << 20
 _INDEX = "model.safetensors.index.json"
 
 

@@ -13,7 +13,8 @@ Per parameter, by what the checkpoint holds and what the model keeps:
 
 - fp8 weight + ``weight_scale_inv`` into an fp8 layer: the weight's slice and the scale blocks covering it,
   copied as they are (the slice must fall on 128 boundaries: :func:`~metainfer_gen.llm.fp8.block_scale_shard`);
-- dense weight into an fp8 layer: the slice quantised with 128x128 block scales (``quantization="fp8"``);
+- dense weight into an fp8 layer: the slice quantised with 128x128 block scales (``quantization="fp8"``), one row
+  of tiles at a time (tiles are independent, so this is exact and bounds the float32 transient to 128 rows);
 - fp8 weight into a dense layer (``kv_b_proj``, or a dense run): the 128-aligned rows/columns covering the slice,
   dequantised through :func:`metainfer_gen.kernels.fp8_weight_dequant`, then cut to the slice;
 - anything else: the slice, cast by the copy; a vocabulary shard's padded tail is zeroed.
@@ -116,6 +117,17 @@ def _dequantised(ckpt: SafetensorsCheckpoint, name: str, scale_name: str, shard:
                                                                           shard.num_valid)
 
 
+def _quantise_into(module: nn.Module, data: torch.Tensor) -> None:
+    """Quantise ``data`` (N, K) into ``module.weight`` / ``weight_scale_inv``, one row of 128x128 tiles at a time."""
+    from metainfer_gen.kernels import quantize_fp8_weight
+    from metainfer_gen.kernels.fp8_quant import FP8_BLOCK
+
+    for row in range(0, data.shape[0], FP8_BLOCK):
+        weight, scale = quantize_fp8_weight(data[row:row + FP8_BLOCK])
+        module.weight[row:row + FP8_BLOCK].copy_(weight)
+        getattr(module, _SCALE)[row // FP8_BLOCK].copy_(scale[0])
+
+
 @torch.no_grad()
 def fill_parameter(module: nn.Module, attr: str, ckpt: SafetensorsCheckpoint, name: str,
                    index: tuple | None = None) -> None:
@@ -127,7 +139,6 @@ def fill_parameter(module: nn.Module, attr: str, ckpt: SafetensorsCheckpoint, na
         RuntimeError: the checkpoint tensor's shape is not the parameter's full shape.
         ValueError: an fp8 slice that would split a 128x128 scale block between ranks.
     """
-    from metainfer_gen.kernels import quantize_fp8_weight
     from metainfer_gen.llm.fp8 import block_scale_shard
 
     target = getattr(module, attr)
@@ -135,9 +146,7 @@ def fill_parameter(module: nn.Module, attr: str, ckpt: SafetensorsCheckpoint, na
         data = ckpt.read(name, index)
         _check_shape(f"{name}[{index}]", tuple(data.shape), target, None)
         if target.dtype == _FP8:
-            weight, scale = quantize_fp8_weight(data)
-            target.copy_(weight)
-            getattr(module, _SCALE).copy_(scale)
+            _quantise_into(module, data)
         else:
             target.copy_(data)
         return
@@ -148,15 +157,14 @@ def fill_parameter(module: nn.Module, attr: str, ckpt: SafetensorsCheckpoint, na
     stored_fp8 = name.endswith("weight") and scale_name in ckpt
     if target.dtype == _FP8:
         data = ckpt.read(name, read_index)
-        if stored_fp8:
-            if data.dtype != _FP8:
-                raise ValueError(f"{name} has a {_SCALE} but is stored as {data.dtype}, not float8_e4m3fn")
-            weight = data
-            scale = ckpt.read(scale_name, block_scale_shard(shard, name).index if shard is not None else ())
-        else:
-            weight, scale = quantize_fp8_weight(data)
-        target.copy_(weight)
-        getattr(module, _SCALE).copy_(scale)
+        if not stored_fp8:
+            _quantise_into(module, data)
+            return
+        if data.dtype != _FP8:
+            raise ValueError(f"{name} has a {_SCALE} but is stored as {data.dtype}, not float8_e4m3fn")
+        target.copy_(data)
+        getattr(module, _SCALE).copy_(ckpt.read(scale_name, block_scale_shard(shard, name).index
+                                                if shard is not None else ()))
     elif stored_fp8:
         _copy(target, _dequantised(ckpt, name, scale_name, shard, target.dtype), shard)
     else:

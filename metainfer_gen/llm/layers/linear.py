@@ -9,9 +9,10 @@
 
 :class:`ReplicatedLinear` holds the whole weight on every rank (the MLA latent projections, the DSA indexer).
 
-FP8: :func:`metainfer_gen.llm.fp8.quantize_linear_fp8` turns ``weight`` into float8_e4m3fn with a
-``weight_scale_inv`` buffer of 128x128 block scales (per shard, so a shard whose size is not a multiple of 128
-gets its own partial last block); the layer then multiplies through :func:`metainfer_gen.kernels.fp8_linear`.
+FP8: the loader (:mod:`metainfer_gen.llm.weight_fill`; :func:`metainfer_gen.llm.fp8.quantize_linear_fp8` for a
+layer already in memory) gives ``weight`` float8_e4m3fn with a ``weight_scale_inv`` buffer of 128x128 block scales
+(per shard, so a shard whose size is not a multiple of 128 gets its own partial last block); the layer then
+multiplies through :func:`metainfer_gen.kernels.fp8_linear`.
 Layers whose weight is read directly elsewhere set ``fp8_eligible = False`` (MLA's ``kv_b_proj``, used in the
 absorbed form) and stay in the run dtype.
 
