@@ -68,6 +68,9 @@ def test_tp2_ranks_hold_exactly_the_slices_of_the_full_weights(aligned, kind):
     for rank in range(2):
         shards = _tensors(_load(path, TensorParallel(rank, 2, group=None)))
         assert 0 < len(shards) < len(full)  # this rank's experts only
+        split_names = [n for n, t in shards.items() if getattr(t, "tp_shard", None) is not None
+                       and t.tp_shard.length < t.tp_shard.total]
+        assert any("q_b_proj" in n for n in split_names) and any("o_proj" in n for n in split_names)
         for name, shard in shards.items():
             reference = full[name]
             split = getattr(shard, "tp_shard", None)
