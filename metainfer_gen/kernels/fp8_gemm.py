@@ -9,8 +9,10 @@ kernel takes any K and N. Below sm_89 (no fp8 MMA, no e4m3 in Triton) it decodes
 (:mod:`~metainfer_gen.kernels.fp8_codec`) and takes fp16 dots: every e4m3 value and every product of two is exact
 there, so only the fp32 summation differs, as on sm_89+.
 
-The CPU has no block-scaled ``_scaled_mm`` (row-wise and per-tensor only), so the torch reference dequantises both
-operands per block to float32 and multiplies once: the same products, summed in another order.
+The CPU has no block-scaled ``_scaled_mm`` (row-wise and per-tensor only), so the torch reference dequantises the
+activations and, one group of 128-row weight tiles at a time (about :data:`DEQUANT_BYTES` of float32), the weight,
+and multiplies each group once: the same products, summed in another order, and never the whole weight in float32
+(an fp8 model stays fp8 in memory; only the group in hand is dequantised).
 """
 
 from __future__ import annotations
@@ -27,12 +29,25 @@ from metainfer_gen.kernels.registry import Op, register_op
 __all__ = ["fp8_block_gemm", "fp8_block_gemm_reference", "fp8_linear"]
 
 
+DEQUANT_BYTES = 16 << 20
+
+
 def fp8_block_gemm_reference(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                              out_dtype: torch.dtype) -> torch.Tensor:
-    """(M, K) fp8 + (M, ceil(K/128)) scales, (N, K) fp8 + (ceil(N/128), ceil(K/128)) scales -> (M, N) out_dtype."""
-    k = x_q.shape[1]
+    """(M, K) fp8 + (M, ceil(K/128)) scales, (N, K) fp8 + (ceil(N/128), ceil(K/128)) scales -> (M, N) out_dtype.
+
+    The weight is dequantised in groups of whole 128-row tiles of at most :data:`DEQUANT_BYTES` float32 (at least
+    one tile row), each multiplied as it is made (DeepSeek-V3 ``weight_dequant`` per tile, applied per group).
+    """
+    (m, k), n = x_q.shape, w_q.shape[0]
     x = x_q.float() * x_scale.repeat_interleave(FP8_BLOCK, 1)[:, :k]
-    return (x @ dequantize_fp8_weight_reference(w_q, w_scale).T).to(out_dtype)
+    rows = max(1, DEQUANT_BYTES // (4 * FP8_BLOCK * max(k, 1))) * FP8_BLOCK
+    y = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
+    for start in range(0, n, rows):
+        tiles = slice(start // FP8_BLOCK, -(-min(start + rows, n) // FP8_BLOCK))
+        w = dequantize_fp8_weight_reference(w_q[start:start + rows], w_scale[tiles])
+        y[:, start:start + rows] = x @ w.T
+    return y
 
 
 # Bound on the first kernel build (triton is imported lazily) and, for the codec, on every _kernel() call

@@ -35,7 +35,8 @@ class EngineConfig:
         tensor_parallel_size: ranks splitting the model (heads, intermediate columns, experts, vocabulary); above 1
             the engine runs under torchrun with this many processes, each calling the same engine methods.
         quantization: None, or "fp8": linear weights in float8_e4m3fn with 128x128 block scales (a bf16/fp32
-            checkpoint is quantised on load; a DeepSeek FP8 checkpoint keeps its blocks), see ``llm/fp8.py``.
+            checkpoint is quantised on load; a DeepSeek FP8 checkpoint keeps its blocks), see ``llm/fp8.py``. A
+            checkpoint whose config declares ``quant_method: "fp8"`` loads in fp8 with None too.
         kv_cache_dtype: "auto" (the run dtype) or "fp8" (float8_e4m3fn latent cache, scale 1, half the bytes of
             bf16; values are cast on store and read back in the run dtype).
         static_decode: run decode-only steps on preallocated buffers padded to a batch-size ladder (1, 2, 4, ...,

@@ -3,9 +3,11 @@
 ``quantization="fp8"`` (``EngineConfig``) quantises every eligible linear weight to float8_e4m3fn with 128x128
 block scales (DeepSeek-V3's format), after tensor-parallel sharding, so each rank's shard carries its own scale
 grid and a shard whose size is not a multiple of 128 gets a partial last block with its own scale. A DeepSeek FP8
-checkpoint (``weight`` in e4m3 + ``weight_scale_inv``) is dequantised to float32 on read and quantised again here:
-for tiles that stay aligned (every tile of a one-process load, and TP shards on 128 boundaries) this gives the
-checkpoint's bytes and scales back exactly, since each tile's largest value is 448 times its scale.
+checkpoint (``weight`` in e4m3 + ``weight_scale_inv``, config ``quantization_config`` ``{"quant_method": "fp8",
+"weight_block_size": [128, 128]}``) is loaded as it is stored: each rank reads its slice of the fp8 weight and the
+matching rows/columns of the scale grid (:func:`block_scale_shard`), so its blocks and scales are the checkpoint's
+bytes; a slice that does not start and end on a 128 boundary would split a scale block between ranks and is
+refused.
 
 Eligible: :class:`~metainfer_gen.llm.layers.linear.LinearBase` layers with ``fp8_eligible`` (attention, MLP,
 experts, indexer ``wq_b``/``wk``). Not: embeddings, LM head, norms, the MoE router, MLA's ``kv_b_proj`` (read as
@@ -34,7 +36,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["QUANTIZATION_METHODS", "Fp8Summary", "quantize_linear_fp8", "weight_bytes"]
+from metainfer_gen.kernels.fp8_quant import FP8_BLOCK
+from metainfer_gen.llm.parallel import Shard
+
+__all__ = ["QUANTIZATION_METHODS", "Fp8Summary", "block_scale_shard", "checkpoint_quantization",
+           "quantize_linear_fp8", "weight_bytes"]
 
 QUANTIZATION_METHODS = ("fp8",)
 
@@ -47,6 +53,46 @@ def quantize_linear_fp8(module: nn.Module, weight: torch.Tensor) -> None:
     q, scale = quantize_fp8_weight(weight)
     module._parameters["weight"] = nn.Parameter(q, requires_grad=False)
     module.register_buffer("weight_scale_inv", scale)
+
+
+def checkpoint_quantization(config) -> str | None:
+    """``"fp8"`` when the checkpoint's config declares DeepSeek's FP8 format (``quantization_config`` with
+    ``quant_method`` ``"fp8"`` and ``weight_block_size`` [128, 128], as DeepSeek-V3 ships), else None.
+
+    Raises:
+        ValueError: another quantisation method, or another block size (the GEMM's scales are 128x128).
+    """
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"checkpoint quantization_config quant_method {method!r} is not supported; the engine "
+                         f"loads bf16/fp32 checkpoints and DeepSeek-style fp8 (quant_method 'fp8')")
+    block = list(qc.get("weight_block_size") or [FP8_BLOCK, FP8_BLOCK])
+    if block != [FP8_BLOCK, FP8_BLOCK]:
+        raise ValueError(f"fp8 checkpoint weight_block_size {block} is not supported; the fp8 GEMM needs "
+                         f"[{FP8_BLOCK}, {FP8_BLOCK}] blocks")
+    return "fp8"
+
+
+def block_scale_shard(shard: Shard, name: str) -> Shard:
+    """The part of a (ceil(N/128), ceil(K/128)) ``weight_scale_inv`` grid that scales ``shard`` of an (N, K) fp8
+    weight.
+
+    Raises:
+        ValueError: the shard does not start on a 128 boundary, or ends inside the tensor off one: a scale block
+            would be split between ranks (``name`` and the sizes that would work are in the message).
+    """
+    start, end = shard.start, shard.start + shard.num_valid
+    if start % FP8_BLOCK or (end % FP8_BLOCK and end != shard.total):
+        what = ("rows", "columns")[shard.dim]
+        raise ValueError(f"{name}: this rank's {what} [{start}, {end}) of the fp8 weight's {shard.total} do not "
+                         f"fall on its {FP8_BLOCK}x{FP8_BLOCK} scale blocks, so a block would be split between "
+                         f"ranks; use a tensor_parallel_size that splits dimension {shard.dim} into multiples of "
+                         f"{FP8_BLOCK}, or a bf16 checkpoint with quantization='fp8' (quantised per shard)")
+    return Shard(shard.dim, start // FP8_BLOCK, -(-shard.num_valid // FP8_BLOCK), -(-shard.total // FP8_BLOCK))
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TensorParallel", "shard_range"]
+__all__ = ["Shard", "TensorParallel", "shard_range"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,3 +88,51 @@ def shard_range(total: int, tp: TensorParallel) -> tuple[int, int]:
     does not divide (shard size ``ceil(total / size)``; ``end`` may exceed ``total``)."""
     shard = -(-total // tp.size)
     return tp.rank * shard, (tp.rank + 1) * shard
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """This rank's part of a checkpoint tensor: ``length`` entries of dimension ``dim`` from ``start``, out of
+    ``total`` (the full tensor's size along ``dim``).
+
+    Layers attach one to each split parameter (``param.tp_shard``); the loader reads exactly this range from the
+    checkpoint (safetensors ``get_slice``), so no rank ever holds the full tensor. Entries past ``total`` (the
+    padded tail of a vocabulary shard) are zeros.
+
+    Raises:
+        ValueError: a negative dim or start, a length below 1, or a total below 1.
+    """
+
+    dim: int
+    start: int
+    length: int
+    total: int
+
+    def __post_init__(self) -> None:
+        if self.dim < 0 or self.start < 0 or self.length < 1 or self.total < 1:
+            raise ValueError(f"shard needs dim >= 0, start >= 0, length >= 1, total >= 1; got {self}")
+
+    @property
+    def num_valid(self) -> int:
+        """Entries of the shard inside the tensor (``length`` but for a padded tail)."""
+        return max(min(self.start + self.length, self.total) - self.start, 0)
+
+    @property
+    def index(self) -> tuple[slice, ...]:
+        """Index into the full tensor selecting the shard's entries that exist."""
+        return (slice(None),) * self.dim + (slice(self.start, self.start + self.num_valid),)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """The shard of an in-memory full tensor, zero-padded to ``length`` along ``dim`` (a view when no padding).
+
+        Raises:
+            ValueError: ``full`` is not ``total`` long along ``dim``.
+        """
+        if full.shape[self.dim] != self.total:
+            raise ValueError(f"tensor {tuple(full.shape)} is not {self.total} long along dimension {self.dim}")
+        part = full[self.index]
+        if self.num_valid == self.length:
+            return part
+        pad = list(full.shape)
+        pad[self.dim] = self.length - self.num_valid
+        return torch.cat([part, full.new_zeros(pad)], dim=self.dim)

@@ -48,6 +48,26 @@ def test_block_gemm_error_table(k, n):
         assert _rel(fp8_gemm.fp8_block_gemm_reference(x_q, x_s, w_q, dropped, torch.float32), y) > 0.1
 
 
+def test_cpu_gemm_dequantises_one_group_of_tile_rows_at_a_time(monkeypatch):
+    """With a 1-byte budget each group is one 128-row tile row (the last one partial): never the whole weight."""
+    x_q, x_s = fp8_quant.fp8_act_quant_reference(torch.randn(7, 200))
+    w_q, w_s = fp8_quant.quantize_fp8_weight(torch.randn(450, 200))
+    whole = fp8_gemm.fp8_block_gemm_reference(x_q, x_s, w_q, w_s, torch.float32)  # 16 MiB budget: one group
+    seen = []
+
+    def recording(w, s, dtype=torch.float32):
+        seen.append((tuple(w.shape), tuple(s.shape)))
+        return fp8_quant.dequantize_fp8_weight_reference(w, s, dtype)
+
+    monkeypatch.setattr(fp8_gemm, "DEQUANT_BYTES", 1)
+    monkeypatch.setattr(fp8_gemm, "dequantize_fp8_weight_reference", recording)
+    grouped = fp8_gemm.fp8_block_gemm_reference(x_q, x_s, w_q, w_s, torch.bfloat16)
+    assert seen == [((128, 200), (1, 2))] * 3 + [((66, 200), (1, 2))]
+    assert _rel(grouped, whole) < 1e-2 and _rel(grouped.float(), _blockwise_oracle(x_q, x_s, w_q, w_s)) < 1e-2
+    torch.testing.assert_close(fp8_gemm.fp8_block_gemm_reference(x_q, x_s, w_q, w_s, torch.float32), whole,
+                               rtol=1e-6, atol=1e-5)
+
+
 # software=True: the sm_80 path (e4m3 decoded/encoded in the kernel from uint8 codes, fp16 dots; fp8_codec).
 SOFTWARE = pytest.mark.parametrize("software", [False, True], ids=["fp8", "soft-e4m3"])
 

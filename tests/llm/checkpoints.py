@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 # Two shapes: MoE in all but the first layer (q LoRA, interleaved rope), and a mostly dense one without q LoRA
@@ -56,3 +58,36 @@ def save_text_checkpoint(path):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return model, tokenizer
+
+
+FP8_LINEAR = re.compile(r"(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj|down_proj)"
+                        r"\.weight$")
+
+
+def save_fp8_checkpoint(model, path, max_shard_size: str | None = None) -> None:
+    """Save ``model`` as DeepSeek ships FP8: every linear weight e4m3 + ``weight_scale_inv`` (128x128 blocks), the
+    rest as is, config ``quantization_config`` fp8 [128, 128]; sharded (and indexed) when ``max_shard_size``."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from metainfer_gen.kernels import quantize_fp8_weight
+
+    path = Path(path)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    index = path / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    for file in sorted(path.glob("*.safetensors")):
+        tensors = load_file(file)
+        for name in [n for n in tensors if FP8_LINEAR.search(n)]:
+            scale = name.removesuffix("weight") + "weight_scale_inv"
+            tensors[name], tensors[scale] = quantize_fp8_weight(tensors[name])
+            if weight_map is not None:
+                weight_map[scale] = file.name
+        save_file(tensors, file, metadata={"format": "pt"})
+    if weight_map is not None:
+        index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (path / "config.json").write_text(json.dumps(config))

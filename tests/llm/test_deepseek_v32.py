@@ -124,10 +124,10 @@ def test_tensor_parallel_shard_not_multiple_of_128_gets_its_own_partial_block():
     for rank in range(2):
         tp = TensorParallel(rank=rank, size=2, group=None)
         col = ColumnParallelLinear(328, 200, tp=tp)
-        quantize_linear_fp8(col, col.weight.weight_loader(full))  # rows [100 r, 100 r + 100): one partial block
+        quantize_linear_fp8(col, col.weight.tp_shard.take(full))  # rows [100 r, 100 r + 100): one partial block
         assert col.weight_scale_inv.shape == (1, 3)
         ref = x @ full[rank * 100:(rank + 1) * 100].T
         assert float((col(x) - ref).norm() / ref.norm()) < 5e-2
         row = RowParallelLinear(328, 200, tp=tp, reduce=False)
-        quantize_linear_fp8(row, row.weight.weight_loader(full))  # columns: K = 164 per rank
+        quantize_linear_fp8(row, row.weight.tp_shard.take(full))  # columns: K = 164 per rank
         assert row.weight_scale_inv.shape == (2, 2)

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from metainfer_gen.llm import EngineConfig, LLMEngine, SamplingParams
-from metainfer_gen.llm.loader import dequantize_fp8_block
+from metainfer_gen.kernels import fp8_weight_dequant
 from tests.llm.checkpoints import hf_greedy, make_hf_model
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
@@ -63,7 +63,7 @@ def test_fp8_dequant_keeps_partial_blocks():
     torch.manual_seed(0)
     weight = torch.randn(200, 300).to(torch.float8_e4m3fn)
     scale = torch.rand(2, 3) + 0.5
-    out = dequantize_fp8_block(weight, scale, torch.float32)
+    out = fp8_weight_dequant(weight, scale, torch.float32)
     expected = weight.float().clone()
     for i in range(2):
         for j in range(3):

@@ -18,7 +18,7 @@ MAX_NEW = 12
 
 
 def _shards(make, full: torch.Tensor, size: int = 2) -> list[torch.Tensor]:
-    return [make(TensorParallel(rank, size)).weight.weight_loader(full) for rank in range(size)]
+    return [make(TensorParallel(rank, size)).weight.tp_shard.take(full) for rank in range(size)]
 
 
 def test_column_and_row_shards_recompose_the_full_linear():

@@ -13,20 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metainfer_gen.llm.parallel import TensorParallel, shard_range
+from metainfer_gen.llm.parallel import Shard, TensorParallel, shard_range
 
 __all__ = ["ParallelLMHead", "VocabParallelEmbedding"]
-
-
-def _vocab_loader(rows: tuple[int, int]):
-    def load(full: torch.Tensor) -> torch.Tensor:
-        start, end = rows
-        shard = full[start:end]
-        if shard.shape[0] < end - start:  # the padded tail of the last shard
-            pad = full.new_zeros(end - start - shard.shape[0], *full.shape[1:])
-            shard = torch.cat([shard, pad])
-        return shard
-    return load
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -38,7 +27,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.start, self.end = shard_range(num_embeddings, self.tp)
         self.weight = nn.Parameter(torch.empty(self.end - self.start, embedding_dim))
-        self.weight.weight_loader = _vocab_loader((self.start, self.end))
+        self.weight.tp_shard = Shard(0, self.start, self.end - self.start, num_embeddings)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
@@ -58,7 +47,7 @@ class ParallelLMHead(nn.Module):
         self.vocab_size = vocab_size
         start, end = shard_range(vocab_size, self.tp)
         self.weight = nn.Parameter(torch.empty(end - start, hidden_size))
-        self.weight.weight_loader = _vocab_loader((start, end))
+        self.weight.tp_shard = Shard(0, start, end - start, vocab_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)

@@ -9,15 +9,17 @@
 
 :class:`ReplicatedLinear` holds the whole weight on every rank (the MLA latent projections, the DSA indexer).
 
-FP8: :func:`metainfer_gen.llm.fp8.quantize_linear_fp8` turns ``weight`` into float8_e4m3fn with a
-``weight_scale_inv`` buffer of 128x128 block scales (per shard, so a shard whose size is not a multiple of 128
-gets its own partial last block); the layer then multiplies through :func:`metainfer_gen.kernels.fp8_linear`.
+FP8: the loader (:mod:`metainfer_gen.llm.weight_fill`; :func:`metainfer_gen.llm.fp8.quantize_linear_fp8` for a
+layer already in memory) gives ``weight`` float8_e4m3fn with a ``weight_scale_inv`` buffer of 128x128 block scales
+(per shard, so a shard whose size is not a multiple of 128 gets its own partial last block); the layer then
+multiplies through :func:`metainfer_gen.kernels.fp8_linear`.
 Layers whose weight is read directly elsewhere set ``fp8_eligible = False`` (MLA's ``kv_b_proj``, used in the
 absorbed form) and stay in the run dtype.
 
-Each parameter carries ``weight_loader(full) -> shard``, which :func:`metainfer_gen.llm.loader.load_model` calls
-with the checkpoint's full tensor, so checkpoints stay in their one-process layout. With ``TensorParallel.single()``
-both classes compute exactly what ``nn.Linear`` computes.
+Each split parameter carries ``tp_shard``, a :class:`~metainfer_gen.llm.parallel.Shard` (which rows or columns of
+the checkpoint's full tensor this rank holds; absent on replicated ones): :func:`metainfer_gen.llm.loader.load_model`
+reads just that range from the safetensors file, so checkpoints stay in their one-process layout and no rank reads
+the full tensor. With ``TensorParallel.single()`` both classes compute exactly what ``nn.Linear`` computes.
 """
 
 from __future__ import annotations
@@ -26,32 +28,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metainfer_gen.llm.parallel import TensorParallel
+from metainfer_gen.llm.parallel import Shard, TensorParallel
 
 __all__ = ["ColumnParallelLinear", "LinearBase", "ReplicatedLinear", "RowParallelLinear"]
 
 
 class LinearBase(nn.Module):
-    """Weight (out, in) with a per-parameter ``weight_loader``; dense or fp8 block-scaled multiply."""
+    """Weight (out, in) with its tensor-parallel ``tp_shard`` (None: whole); dense or fp8 block-scaled multiply."""
 
     fp8_eligible = True
 
-    def __init__(self, weight_shape: tuple[int, int], bias_size: int | None, tp: TensorParallel):
+    def __init__(self, weight_shape: tuple[int, int], bias_size: int | None, tp: TensorParallel,
+                 weight_shard: Shard | None = None, bias_shard: Shard | None = None):
         super().__init__()
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(weight_shape))
-        self.weight.weight_loader = self._load_weight
+        if weight_shard is not None:
+            self.weight.tp_shard = weight_shard
         if bias_size is None:
             self.register_parameter("bias", None)
         else:
             self.bias = nn.Parameter(torch.empty(bias_size))
-            self.bias.weight_loader = self._load_bias
-
-    def _load_weight(self, full: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _load_bias(self, full: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+            if bias_shard is not None:
+                self.bias.tp_shard = bias_shard
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight.dtype == torch.float8_e4m3fn:
@@ -67,11 +66,6 @@ class ReplicatedLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         self.in_features, self.out_features = in_features, out_features
         super().__init__((out_features, in_features), out_features if bias else None, TensorParallel.single())
-
-    def _load_weight(self, full: torch.Tensor) -> torch.Tensor:
-        return full
-
-    _load_bias = _load_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.bias)
@@ -89,12 +83,8 @@ class ColumnParallelLinear(LinearBase):
         tp = tp or TensorParallel.single()
         self.in_features, self.out_features = in_features, out_features
         self.out_per_rank = tp.split(out_features, "out_features")
-        super().__init__((self.out_per_rank, in_features), self.out_per_rank if bias else None, tp)
-
-    def _load_weight(self, full: torch.Tensor) -> torch.Tensor:
-        return full.narrow(0, self.tp.rank * self.out_per_rank, self.out_per_rank)
-
-    _load_bias = _load_weight
+        rows = Shard(0, tp.rank * self.out_per_rank, self.out_per_rank, out_features)
+        super().__init__((self.out_per_rank, in_features), self.out_per_rank if bias else None, tp, rows, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.bias)
@@ -115,13 +105,8 @@ class RowParallelLinear(LinearBase):
         tp = tp or TensorParallel.single()
         self.in_features, self.out_features, self.reduce = in_features, out_features, reduce
         self.in_per_rank = tp.split(in_features, "in_features")
-        super().__init__((out_features, self.in_per_rank), out_features if bias else None, tp)
-
-    def _load_weight(self, full: torch.Tensor) -> torch.Tensor:
-        return full.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank)
-
-    def _load_bias(self, full: torch.Tensor) -> torch.Tensor:
-        return full
+        super().__init__((out_features, self.in_per_rank), out_features if bias else None, tp,
+                         Shard(1, tp.rank * self.in_per_rank, self.in_per_rank, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:

@@ -13,9 +13,11 @@ all-reduce sums the routed and shared partial outputs of a MoE layer.
 
 Routed experts run through :func:`metainfer_gen.kernels.moe_experts` (tokens sorted by expert once, then a padded
 ``bmm`` or GEMMs per contiguous run; the per-expert reference loop stays registered), which needs each rank's
-expert weights stacked: :func:`pack_moe_experts` (called by the loader once the weights are in place) stacks them
-and makes every expert's ``weight`` a view of the stack, so names, checkpoints and memory stay as they were.
-Experts that cannot be stacked (fp8 block-scaled weights) run the reference loop over their modules.
+expert weights stacked: the loader allocates the stacks first (:meth:`MoE.stack_empty_experts`) and reads every
+expert's weights into its views, so the experts are never held twice; :func:`pack_moe_experts` stacks experts
+that already have their own storage. Either way every expert's ``weight`` is a view of the stack, so names and
+checkpoints stay as they were. Experts that cannot be stacked (fp8 block-scaled weights, which stay fp8) run the
+reference loop over their modules, each through the fp8 block GEMM.
 
 While a CUDA graph is being captured (``llm/static_decode.py``), stacked experts run :func:`moe_experts_dense`
 instead: the sorted path reads the per-expert counts on the host, which a graph cannot replay.
@@ -153,12 +155,25 @@ class MoE(nn.Module):
             return False
         w13 = torch.stack([torch.cat([g.weight, u.weight]) for g, u, _ in layers])
         w2 = torch.stack([d.weight for _, _, d in layers])
-        size = w2.shape[2]
-        for e, (gate, up, down) in enumerate(layers):
-            for lin, view in ((gate, w13[e, :size]), (up, w13[e, size:]), (down, w2[e])):
-                lin.weight = nn.Parameter(view, requires_grad=lin.weight.requires_grad)
-        self._stacked = (w13, w2)
+        self._view_stack(w13, w2)
         return True
+
+    def stack_empty_experts(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Give the local experts uninitialised stacked storage, ``w13`` (E_local, 2I, H) and ``w2``
+        (E_local, H, I) in ``dtype`` on ``device``, every expert ``weight`` a view of it (what
+        :meth:`pack_experts` leaves, without a copy): the loader then fills the views in place."""
+        mlp = self.experts[str(self.first_expert)]
+        size, hidden = mlp.gate_proj.weight.shape
+        num = len(self.experts)
+        self._view_stack(torch.empty(num, 2 * size, hidden, dtype=dtype, device=device),
+                         torch.empty(num, hidden, size, dtype=dtype, device=device))
+
+    def _view_stack(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        size = w2.shape[2]
+        for e, mlp in enumerate(self.experts.values()):
+            for lin, view in ((mlp.gate_proj, w13[e, :size]), (mlp.up_proj, w13[e, size:]), (mlp.down_proj, w2[e])):
+                lin.weight = nn.Parameter(view, requires_grad=False)
+        self._stacked = (w13, w2)
 
     def unpack_experts(self) -> None:
         """Run the per-expert reference loop again (the weights stay views of the stack; ``pack_experts`` undoes
