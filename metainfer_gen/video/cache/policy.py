@@ -19,6 +19,19 @@ def denoisers(pipe) -> list[tuple[str, Any]]:
     return [(n, getattr(pipe, n)) for n in names if getattr(pipe, n, None) is not None]
 
 
+def expert_spans(pipe) -> dict[str, tuple[int, int]] | None:
+    """``{"transformer": (0, n_high), "transformer_2": (n_high, n_low)}``: the steps each of Wan 2.2's experts
+    denoises in the current call, as diffusers' Wan pipelines switch (timestep >= ``boundary_ratio`` x
+    ``num_train_timesteps`` on the high-noise ``transformer``, the rest on ``transformer_2``). Read after the
+    pipeline set its timesteps; None for a pipeline with one transformer or no ``boundary_ratio``."""
+    ratio = dict(getattr(pipe, "config", {})).get("boundary_ratio")
+    if ratio is None or getattr(pipe, "transformer_2", None) is None:
+        return None
+    timesteps = pipe.scheduler.timesteps
+    high = int((timesteps >= ratio * pipe.scheduler.config.num_train_timesteps).sum())
+    return {"transformer": (0, high), "transformer_2": (high, len(timesteps) - high)}
+
+
 class CachePolicy:
     """Base: ``apply`` once, ``session`` around every call, ``remove`` once. Subclasses set ``name``."""
 
@@ -115,7 +128,7 @@ class StepCachePolicy(CachePolicy):
         plan = (num_inference_steps, type(scheduler).__name__,
                 repr(sorted(dict(getattr(scheduler, "config", {})).items())), adapters)
         for model in models:
-            begin_step_cache_call(model, num_inference_steps, plan)
+            begin_step_cache_call(model, num_inference_steps, plan, span_source=lambda: expert_spans(pipe))
         report: dict[str, Any] = {"policy": self.name}
         try:
             yield report

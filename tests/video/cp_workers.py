@@ -1,0 +1,50 @@
+"""Rank bodies of the context-parallel tests (run by :func:`tests.collectives.harness.run_ranks`), and the calls
+they make, shared with the single-process reference in ``test_context_parallel.py``."""
+
+from __future__ import annotations
+
+import os
+
+from tests.video.cfg_workers import CLI_ARGS, I2V_CALL, T2V_CALL, load, reference_image, render
+
+# 8 steps, so that the step cache has steps to reuse after its warm-up; a budget that reuses wherever the cap allows.
+CACHED_CALL = {**T2V_CALL, "num_inference_steps": 8}
+
+
+def cache_config():
+    from metainfer_gen.video.cache import StepCacheConfig
+
+    return StepCacheConfig(error_budget=1e3, num_warmup_steps=2, max_consecutive_reuses=2)
+
+
+def decisions(rendered: dict) -> list[tuple[int, str, bool]]:
+    """(step, branch, computed) of every transformer call the step cache decided."""
+    return [(r["step"], r["branch"], r["computed"]) for r in rendered["stats"]["cache"]["steps"]]
+
+
+def cp_cases(rank: int, world: int, args: dict) -> dict:
+    """Text-to-video, image-to-video and text-to-video with the step cache, the clip split over ``world`` ranks
+    (``world / 2`` with ``args["cfg"]``, the two CFG branches on two CP groups); with ``args["clip"]``, also the
+    CLI's single clip with ``--context-parallel``."""
+    from metainfer_gen import collectives
+
+    os.environ["METAINFER_COLLECTIVES_TIMEOUT"] = "600"  # a loaded machine may start one rank minutes late
+    cfg = bool(args.get("cfg"))
+    size = world // (2 if cfg else 1)
+    t2v = load("TextToVideoPipeline", args["t2v"])
+    t2v.enable_context_parallel(size, cfg_parallel=cfg)
+    out = {"t2v": render(t2v, T2V_CALL)}
+    if not cfg:
+        i2v = load("ImageToVideoPipeline", args["i2v"])
+        i2v.enable_context_parallel(size)
+        out["i2v"] = render(i2v, I2V_CALL, reference_image())
+    t2v.enable_step_cache(cache_config())
+    out["cached"] = render(t2v, CACHED_CALL)
+    out["layout"] = {name: (g.rank, g.size) for name, g in collectives.get_state().groups.items()}
+    if args.get("clip"):
+        from metainfer_gen.apps.cli import main
+
+        out["cli"] = main(["render", T2V_CALL["prompt"], "-o", args["clip"], "--model", args["t2v"],
+                           "--context-parallel", str(size), *CLI_ARGS])
+    collectives.shutdown_distributed()
+    return out

@@ -1,0 +1,103 @@
+"""Context parallelism for one clip: on 2 and 4 CPU ranks (gloo) the clip's latents equal the single-process ones
+within 1e-5, for text-to-video and image-to-video, with CFG-parallel on top (2 CFG x 2 CP), and with the step
+cache every rank takes the single process's reuse decisions. Bad sizes fail before any work.
+
+Each layout runs in one launch (:func:`tests.video.cp_workers.cp_cases`); the references are the same calls made
+here, in one process, on the tiny Wan pipelines with 4 attention heads (Ulysses gives each rank whole heads).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.collectives.harness import run_ranks
+from tests.video.cfg_workers import I2V_CALL, T2V_CALL, load, reference_image, render
+from tests.video.cp_workers import CACHED_CALL, cache_config, decisions
+
+ATOL = 1e-5
+LAYOUTS = {"cp2": (2, False), "cp4": (4, False), "cfg2xcp2": (4, True)}
+
+
+@pytest.fixture(scope="module")
+def single(tiny_wan_4_heads):
+    """The same calls in this process, without any parallelism."""
+    t2v = load("TextToVideoPipeline", str(tiny_wan_4_heads["t2v"]))
+    i2v = load("ImageToVideoPipeline", str(tiny_wan_4_heads["i2v"]))
+    out = {"t2v": render(t2v, T2V_CALL), "i2v": render(i2v, I2V_CALL, reference_image())}
+    t2v.enable_step_cache(cache_config())
+    out["cached"] = render(t2v, CACHED_CALL)
+    return out
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def launch(request, tiny_wan_4_heads, tmp_path_factory):
+    world, cfg = LAYOUTS[request.param]
+    tmp = tmp_path_factory.mktemp(request.param)
+    clip = str(tmp / "clip.mp4") if request.param == "cp2" else ""
+    # 900 s: a liveness guard for loaded machines; a launch takes seconds on an idle one.
+    results = run_ranks("tests.video.cp_workers:cp_cases", tmp, world=world, timeout_s=900, cfg=cfg, clip=clip,
+                        t2v=str(tiny_wan_4_heads["t2v"]), i2v=str(tiny_wan_4_heads["i2v"]))
+    return request.param, results, clip
+
+
+def _assert_same_clip(got: dict, want: dict) -> None:
+    np.testing.assert_allclose(got["latents"], want["latents"], atol=ATOL, rtol=0)
+    assert np.abs(got["frames"].astype(int) - want["frames"]).max() <= 1
+
+
+def test_context_parallel_clip_equals_the_single_process_clip(launch, single):
+    name, results, clip = launch
+    world, cfg = LAYOUTS[name]
+    size = world // (2 if cfg else 1)
+    for rank, out in results.items():
+        for case in ("t2v", "cached") if cfg else ("t2v", "i2v", "cached"):
+            _assert_same_clip(out[case], single[case])
+            record = out[case]["stats"]["extra"]["context_parallel"]
+            assert (record["rank"], record["size"]) == (rank % size, size)
+            assert record["num_tokens"] == 32 and record["tokens_per_rank"] == 32 // size
+        assert out["layout"]["cp"] == (rank % size, size)
+        if cfg:  # ranks 0, 1 compute cond, ranks 2, 3 uncond; each exchanges its prediction with its CFG partner
+            assert out["layout"]["cfg"] == (rank // size, 2)
+            assert out["t2v"]["stats"]["extra"]["cfg_parallel"]["path"] == "cfg_parallel"
+    if clip:
+        assert results[0]["cli"] == 0 and results[1]["cli"] == 0
+        assert Path(clip).stat().st_size > 0
+
+
+def test_step_cache_takes_the_same_decisions_on_every_rank(launch, single):
+    name, results, _ = launch
+    want = decisions(single["cached"])
+    assert any(not computed for _, _, computed in want)  # the config does reuse
+    world, cfg = LAYOUTS[name]
+    for rank, out in results.items():
+        got = decisions(out["cached"])
+        if cfg:  # each CFG group caches its own branch, and decides as one process does for that branch
+            branch = "cond" if rank < world // 2 else "uncond"
+            assert got == [d for d in want if d[1] == branch]
+        else:
+            assert got == want
+
+
+# ------------------------------------------------------------------------------------- errors, without processes
+
+
+def test_context_parallel_without_torchrun_fails_at_once(fresh_t2v):
+    with pytest.raises(ValueError, match="torchrun --nproc-per-node 2"):
+        fresh_t2v.enable_context_parallel(2)
+    with pytest.raises(ValueError, match="int >= 2"):
+        fresh_t2v.enable_context_parallel(1)
+    assert fresh_t2v.context_parallel is None
+
+
+def test_sizes_that_do_not_split_the_heads_or_tokens_are_refused(fresh_t2v):
+    from metainfer_gen.video.context_parallel import ContextParallelConfig, plan_context_parallel, \
+        prepare_context_parallel
+
+    pipe = fresh_t2v.diffusers_pipeline  # 2 heads; 5 frames at 32x32 are 32 tokens
+    with pytest.raises(ValueError, match="num_attention_heads=2, not divisible by 4"):
+        prepare_context_parallel(fresh_t2v.transformers, ContextParallelConfig(4))
+    with pytest.raises(ValueError, match="32 tokens .* over 3 ranks"):
+        plan_context_parallel(ContextParallelConfig(3), pipe, 5, 32, 32)
