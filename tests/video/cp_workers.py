@@ -23,28 +23,35 @@ def decisions(rendered: dict) -> list[tuple[int, str, bool]]:
 
 
 def cp_cases(rank: int, world: int, args: dict) -> dict:
-    """Text-to-video, image-to-video and text-to-video with the step cache, the clip split over ``world`` ranks
-    (``world / 2`` with ``args["cfg"]``, the two CFG branches on two CP groups); with ``args["clip"]``, also the
-    CLI's single clip with ``--context-parallel``."""
+    """For each ``(cfg, size)`` of ``args["layouts"]``: text-to-video, image-to-video (without CFG-parallel) and
+    text-to-video with the step cache, the clip split over ``size`` ranks (with ``cfg``, the two CFG branches on two
+    CP groups of ``size``). The layouts share one launch: the default process group outlives each layout's
+    collectives. With ``args["clip"]``, also the CLI's single clip with ``--context-parallel`` (last layout)."""
+    import torch.distributed as dist
+
     from metainfer_gen import collectives
 
     os.environ["METAINFER_COLLECTIVES_TIMEOUT"] = "600"  # a loaded machine may start one rank minutes late
-    cfg = bool(args.get("cfg"))
-    size = world // (2 if cfg else 1)
-    t2v = load("TextToVideoPipeline", args["t2v"])
-    t2v.enable_context_parallel(size, cfg_parallel=cfg)
-    out = {"t2v": render(t2v, T2V_CALL)}
-    if not cfg:
-        i2v = load("ImageToVideoPipeline", args["i2v"])
-        i2v.enable_context_parallel(size)
-        out["i2v"] = render(i2v, I2V_CALL, reference_image())
-    t2v.enable_step_cache(cache_config())
-    out["cached"] = render(t2v, CACHED_CALL)
-    out["layout"] = {name: (g.rank, g.size) for name, g in collectives.get_state().groups.items()}
+    dist.init_process_group("gloo")
+    results = {}
+    for cfg, size in args["layouts"]:
+        t2v = load("TextToVideoPipeline", args["t2v"])
+        t2v.enable_context_parallel(size, cfg_parallel=cfg)
+        out = {"t2v": render(t2v, T2V_CALL)}
+        if not cfg:
+            i2v = load("ImageToVideoPipeline", args["i2v"])
+            i2v.enable_context_parallel(size)
+            out["i2v"] = render(i2v, I2V_CALL, reference_image())
+        t2v.enable_step_cache(cache_config())
+        out["cached"] = render(t2v, CACHED_CALL)
+        out["layout"] = {name: (g.rank, g.size) for name, g in collectives.get_state().groups.items()}
+        collectives.shutdown_distributed()
+        results[(cfg, size)] = out
     if args.get("clip"):
         from metainfer_gen.apps.cli import main
 
-        out["cli"] = main(["render", T2V_CALL["prompt"], "-o", args["clip"], "--model", args["t2v"],
-                           "--context-parallel", str(size), *CLI_ARGS])
-    collectives.shutdown_distributed()
-    return out
+        results["cli"] = main(["render", T2V_CALL["prompt"], "-o", args["clip"], "--model", args["t2v"],
+                               "--context-parallel", str(world), *CLI_ARGS])
+        collectives.shutdown_distributed()
+    dist.destroy_process_group()
+    return results

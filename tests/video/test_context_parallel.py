@@ -18,7 +18,7 @@ from tests.video.cfg_workers import I2V_CALL, T2V_CALL, load, reference_image, r
 from tests.video.cp_workers import CACHED_CALL, cache_config, decisions
 
 ATOL = 1e-5
-LAYOUTS = {"cp2": (2, False), "cp4": (4, False), "cfg2xcp2": (4, True)}
+LAYOUTS = [(False, 2), (False, 4), (True, 2)]  # (CFG-parallel, CP size): 2, 4 and 2 x 2 ranks
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +32,22 @@ def single(tiny_wan_4_heads):
     return out
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
-def launch(request, tiny_wan_4_heads, tmp_path_factory):
-    world, cfg = LAYOUTS[request.param]
-    tmp = tmp_path_factory.mktemp(request.param)
-    clip = str(tmp / "clip.mp4") if request.param == "cp2" else ""
-    # 900 s: a liveness guard for loaded machines; a launch takes seconds on an idle one.
-    results = run_ranks("tests.video.cp_workers:cp_cases", tmp, world=world, timeout_s=900, cfg=cfg, clip=clip,
-                        t2v=str(tiny_wan_4_heads["t2v"]), i2v=str(tiny_wan_4_heads["i2v"]))
-    return request.param, results, clip
+@pytest.fixture(scope="module")
+def launches(tiny_wan_4_heads, tmp_path_factory):
+    """{layout: {rank: results}}: one launch of 2 ranks, one of 4 for both 4-rank layouts."""
+    tmp = tmp_path_factory.mktemp("context_parallel")
+    paths = {"t2v": str(tiny_wan_4_heads["t2v"]), "i2v": str(tiny_wan_4_heads["i2v"])}
+    by_layout = {}
+    for world, layouts in ((2, [LAYOUTS[0]]), (4, LAYOUTS[1:])):
+        clip = str(tmp / "clip.mp4") if world == 2 else ""
+        # 900 s: a liveness guard for loaded machines; a launch takes seconds on an idle one.
+        results = run_ranks("tests.video.cp_workers:cp_cases", tmp, world=world, timeout_s=900, layouts=layouts,
+                            clip=clip, **paths)
+        for layout in layouts:
+            by_layout[layout] = {rank: out[layout] for rank, out in results.items()}
+        if clip:
+            by_layout["cli"] = ({rank: out["cli"] for rank, out in results.items()}, Path(clip))
+    return by_layout
 
 
 def _assert_same_clip(got: dict, want: dict) -> None:
@@ -48,11 +55,10 @@ def _assert_same_clip(got: dict, want: dict) -> None:
     assert np.abs(got["frames"].astype(int) - want["frames"]).max() <= 1
 
 
-def test_context_parallel_clip_equals_the_single_process_clip(launch, single):
-    name, results, clip = launch
-    world, cfg = LAYOUTS[name]
-    size = world // (2 if cfg else 1)
-    for rank, out in results.items():
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["cp2", "cp4", "cfg2xcp2"])
+def test_context_parallel_clip_equals_the_single_process_clip(launches, single, layout):
+    cfg, size = layout
+    for rank, out in launches[layout].items():
         for case in ("t2v", "cached") if cfg else ("t2v", "i2v", "cached"):
             _assert_same_clip(out[case], single[case])
             record = out[case]["stats"]["extra"]["context_parallel"]
@@ -62,23 +68,25 @@ def test_context_parallel_clip_equals_the_single_process_clip(launch, single):
         if cfg:  # ranks 0, 1 compute cond, ranks 2, 3 uncond; each exchanges its prediction with its CFG partner
             assert out["layout"]["cfg"] == (rank // size, 2)
             assert out["t2v"]["stats"]["extra"]["cfg_parallel"]["path"] == "cfg_parallel"
-    if clip:
-        assert results[0]["cli"] == 0 and results[1]["cli"] == 0
-        assert Path(clip).stat().st_size > 0
 
 
-def test_step_cache_takes_the_same_decisions_on_every_rank(launch, single):
-    name, results, _ = launch
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["cp2", "cp4", "cfg2xcp2"])
+def test_step_cache_takes_the_same_decisions_on_every_rank(launches, single, layout):
     want = decisions(single["cached"])
     assert any(not computed for _, _, computed in want)  # the config does reuse
-    world, cfg = LAYOUTS[name]
-    for rank, out in results.items():
+    cfg, size = layout
+    for rank, out in launches[layout].items():
         got = decisions(out["cached"])
         if cfg:  # each CFG group caches its own branch, and decides as one process does for that branch
-            branch = "cond" if rank < world // 2 else "uncond"
+            branch = "cond" if rank < size else "uncond"
             assert got == [d for d in want if d[1] == branch]
         else:
             assert got == want
+
+
+def test_the_cli_renders_one_clip_over_two_ranks(launches):
+    codes, clip = launches["cli"]
+    assert codes == {0: 0, 1: 0} and clip.stat().st_size > 0
 
 
 # ------------------------------------------------------------------------------------- errors, without processes
