@@ -111,9 +111,9 @@ class VideoPipelineBase(KernelAcceleratorsMixin, ParallelMixin):
                 ``"auto=0.2"`` (ours with that error budget), a ``video.cache.StepCacheConfig``, or a baseline for
                 comparison: ``"fbcache[=threshold]"``, ``"magcache[=threshold]"``, ``"taylorseer[=interval]"``,
                 ``"dbcache[=threshold]"`` (needs cache-dit). ``"off"`` does nothing. The named presets stand
-                aside in calls of fewer than ``video.cache.config.PRESET_MIN_INFERENCE_STEPS`` (10) steps, where
-                reuse lost the clip (stats: ``disabled_reason``); a ``StepCacheConfig`` sets its own
-                ``min_inference_steps`` (default: none).
+                aside in guided calls of fewer than ``video.cache.config.PRESET_MIN_INFERENCE_STEPS`` (10) steps
+                and unguided ones of fewer than ``PRESET_MIN_UNGUIDED_INFERENCE_STEPS`` (6), where reuse lost the
+                clip (stats: ``disabled_reason``); a ``StepCacheConfig`` sets its own floors (default: none).
             calibration: for ours, a ``metainfer-gen calibrate`` file (path) or a loaded ``Calibration``. Left
                 out, the named presets (``"auto"``, ``"quality"``, ``"fast"``, ``"auto=0.2"``) use the
                 ``step_cache_calibration.json`` beside the model when present; a ``StepCacheConfig`` uses its own

@@ -88,13 +88,14 @@ def is_step_cache_enabled(transformer: torch.nn.Module) -> bool:
 
 
 def begin_step_cache_call(transformer: torch.nn.Module, num_inference_steps: int, plan_key=None,
-                          span_source=None) -> None:
+                          info_source=None) -> None:
     """Tell the cache the step count of the coming call; a different plan (steps, scheduler) resets all state.
 
     Args:
-        span_source: a callable returning ``{transformer attribute: (first step, steps)}`` for the call, read on
-            its first step (Wan 2.2's experts: :func:`~metainfer_gen.video.cache.policy.expert_spans`); None: each
-            transformer spans the whole schedule.
+        info_source: a callable returning the call's :class:`~metainfer_gen.video.cache.state.CallInfo` (Wan
+            2.2's expert spans, guidance on or off), read on its first step
+            (:func:`~metainfer_gen.video.cache.policy.call_info`); None: one transformer over the whole schedule,
+            guided.
     """
     hook = _root_hook(transformer)
     if hook is None:
@@ -103,7 +104,7 @@ def begin_step_cache_call(transformer: torch.nn.Module, num_inference_steps: int
         hook.reset_state(transformer)
         hook.plan_key = plan_key
     hook.run.tracker.num_inference_steps = num_inference_steps
-    hook.run.tracker.span_source = span_source
+    hook.run.tracker.info_source = info_source
 
 
 def set_step_cache_reduction(transformer: torch.nn.Module, reduce) -> None:

@@ -151,7 +151,7 @@ class StepCacheRootHook(ModelHook):
                 self.state_manager.set_context(None)
 
     def _disabled_reason(self) -> str | None:
-        reason = self.run.config.reuse_off_reason(self.run.tracker.num_inference_steps)
+        reason = self.run.config.reuse_off_reason(self.run.tracker.num_inference_steps, self.run.tracker.guided)
         if reason is not None:
             self.run.tracker.current.disabled_reason = reason
         return reason

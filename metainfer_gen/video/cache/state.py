@@ -150,6 +150,16 @@ def _extrapolate_list(values: list[list], positions: list[float], position: floa
             for a, b in zip(values[0], values[1])]
 
 
+@dataclass(frozen=True, slots=True)
+class CallInfo:
+    """What the pipeline knows of a call once its loop started: ``spans``, ``{transformer attribute: (first step,
+    steps)}`` of Wan 2.2's experts (None: one transformer over the whole schedule), and whether it is ``guided``
+    (two CFG branches per step)."""
+
+    spans: dict[str, tuple[int, int]] | None = None
+    guided: bool = True
+
+
 @dataclass(slots=True)
 class CallTracker:
     """Step numbering and stats of one pipeline call, shared by the transformers of a pipeline.
@@ -168,17 +178,25 @@ class CallTracker:
     branches_this_step: list[str] = field(default_factory=list)
     current: StepCacheStats = field(default_factory=StepCacheStats)
     last: StepCacheStats | None = None
-    span_source: Callable[[], dict[str, tuple[int, int]] | None] | None = None  # set per call by the policy
-    spans: dict[str, tuple[int, int]] | None = None  # {transformer attribute: (first step, steps)} of this call
+    info_source: Callable[[], CallInfo] | None = None  # set per call by the policy
+    info: CallInfo | None = None  # what info_source said on the call's first step
+
+    def _info(self) -> CallInfo:
+        if self.info is None:
+            self.info = self.info_source() if self.info_source is not None else CallInfo()
+        return self.info
 
     def span(self, model: str) -> tuple[int, int | None]:
         """(first step, steps) of ``model``'s span in the current call: Wan 2.2's two experts split the schedule at
-        ``boundary_ratio`` (read from ``span_source`` on the call's first step, once the pipeline has set its
+        ``boundary_ratio`` (read from ``info_source`` on the call's first step, once the pipeline has set its
         timesteps); with one transformer, or without a source, the whole schedule."""
-        if self.spans is None and self.span_source is not None:
-            self.spans = self.span_source() or {}
-        found = (self.spans or {}).get(model)
+        found = (self._info().spans or {}).get(model)
         return found if found is not None else (0, self.num_inference_steps)
+
+    @property
+    def guided(self) -> bool:
+        """Whether the current call runs classifier-free guidance (True when unknown)."""
+        return self._info().guided
 
     def advance(self, context_name: str | None, position: float) -> tuple[int, str]:
         """Number the call: a new timestep (or a branch seen twice at one timestep) starts a new step."""
@@ -212,5 +230,5 @@ class CallTracker:
         self.current = StepCacheStats(policy=self.policy)
         self.step, self.last_position, self.branches_this_step = -1, None, []
         self.first_position = self.step_size = None
-        self.spans = None
+        self.info = None
         self.num_inference_steps = None  # the next call states its own (a stale count would misplace the last step)
