@@ -26,7 +26,8 @@ def cp_cases(rank: int, world: int, args: dict) -> dict:
     """For each ``(cfg, size)`` of ``args["layouts"]``: text-to-video, image-to-video (without CFG-parallel) and
     text-to-video with the step cache, the clip split over ``size`` ranks (with ``cfg``, the two CFG branches on two
     CP groups of ``size``). The layouts share one launch: the default process group outlives each layout's
-    collectives. With ``args["clip"]``, also the CLI's single clip with ``--context-parallel`` (last layout)."""
+    collectives. With ``args["clip"]``, also the CLI's single clip with ``--context-parallel``; with
+    ``args["prompts"]``, the CLI's batch with ``--context-parallel 2`` (data-parallel groups of 2 CP ranks)."""
     import torch.distributed as dist
 
     from metainfer_gen import collectives
@@ -42,16 +43,23 @@ def cp_cases(rank: int, world: int, args: dict) -> dict:
             i2v = load("ImageToVideoPipeline", args["i2v"])
             i2v.enable_context_parallel(size)
             out["i2v"] = render(i2v, I2V_CALL, reference_image())
+        if not cfg and size == world:  # the lossless embed memo (the CLI's default) inside the CP hooks
+            t2v.enable_embed_memo()
+            out["memo"] = render(t2v, T2V_CALL)
+            t2v.disable_embed_memo()
         t2v.enable_step_cache(cache_config())
         out["cached"] = render(t2v, CACHED_CALL)
         out["layout"] = {name: (g.rank, g.size) for name, g in collectives.get_state().groups.items()}
         collectives.shutdown_distributed()
         results[(cfg, size)] = out
-    if args.get("clip"):
-        from metainfer_gen.apps.cli import main
+    from metainfer_gen.apps.cli import main
 
+    if args.get("clip"):
         results["cli"] = main(["render", T2V_CALL["prompt"], "-o", args["clip"], "--model", args["t2v"],
                                "--context-parallel", str(world), *CLI_ARGS])
         collectives.shutdown_distributed()
+    if args.get("prompts"):  # a batch on world / 2 data-parallel groups of 2 CP ranks
+        results["batch"] = main(["render", "--prompts", args["prompts"], "--out-dir", args["out_dir"], "--model",
+                                 args["t2v"], "--context-parallel", "2", *CLI_ARGS])
     dist.destroy_process_group()
     return results

@@ -38,15 +38,20 @@ def launches(tiny_wan_4_heads, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("context_parallel")
     paths = {"t2v": str(tiny_wan_4_heads["t2v"]), "i2v": str(tiny_wan_4_heads["i2v"])}
     by_layout = {}
+    prompts = tmp / "prompts.txt"
+    prompts.write_text("a red circle moving right\nthe blue square moves up\na green circle moving left\n")
     for world, layouts in ((2, [LAYOUTS[0]]), (4, LAYOUTS[1:])):
         clip = str(tmp / "clip.mp4") if world == 2 else ""
+        batch = {"prompts": str(prompts), "out_dir": str(tmp / "clips")} if world == 4 else {}
         # 900 s: a liveness guard for loaded machines; a launch takes seconds on an idle one.
         results = run_ranks("tests.video.cp_workers:cp_cases", tmp, world=world, timeout_s=900, layouts=layouts,
-                            clip=clip, **paths)
+                            clip=clip, **batch, **paths)
         for layout in layouts:
             by_layout[layout] = {rank: out[layout] for rank, out in results.items()}
         if clip:
             by_layout["cli"] = ({rank: out["cli"] for rank, out in results.items()}, Path(clip))
+        if batch:
+            by_layout["batch"] = ({rank: out["batch"] for rank, out in results.items()}, tmp / "clips")
     return by_layout
 
 
@@ -61,6 +66,8 @@ def test_context_parallel_clip_equals_the_single_process_clip(launches, single, 
     for rank, out in launches[layout].items():
         for case in ("t2v", "cached") if cfg else ("t2v", "i2v", "cached"):
             _assert_same_clip(out[case], single[case])
+        if "memo" in out:  # the embed memo under CP: still the one-process clip
+            _assert_same_clip(out["memo"], single["t2v"])
             record = out[case]["stats"]["extra"]["context_parallel"]
             assert (record["rank"], record["size"]) == (rank % size, size)
             assert record["num_tokens"] == 32 and record["tokens_per_rank"] == 32 // size
@@ -109,3 +116,15 @@ def test_sizes_that_do_not_split_the_heads_or_tokens_are_refused(fresh_t2v):
         prepare_context_parallel(fresh_t2v.transformers, ContextParallelConfig(4))
     with pytest.raises(ValueError, match="32 tokens .* over 3 ranks"):
         plan_context_parallel(ContextParallelConfig(3), pipe, 5, 32, 32)
+
+
+def test_a_batch_splits_over_data_parallel_groups_of_context_parallel_ranks(launches):
+    """4 ranks, ``--context-parallel 2``: two groups of two split the prompt file; every clip once, one manifest."""
+    import json
+
+    codes, folder = launches["batch"]
+    assert codes == {0: 0, 1: 0, 2: 0, 3: 0}
+    records = [json.loads(line) for line in (folder / "manifest.jsonl").read_text().splitlines()]
+    assert [r["line"] for r in records] == [1, 2, 3] and all(r["status"] == "ok" for r in records)
+    assert all((folder / r["path"]).stat().st_size > 0 for r in records)
+    assert all(r["stats"]["extra"]["context_parallel"]["size"] == 2 for r in records)
