@@ -98,8 +98,9 @@ def connect_cp_group(config: ContextParallelConfig, cfg_parallel: bool = False) 
         distributed.init_distributed(cfg_parallel_size=2 if cfg_parallel else 1, context_parallel_size=config.size)
     handle = group_handle(config.group)
     if handle.size != config.size:
-        raise ValueError(f"the {config.group!r} group has {handle.size} ranks, not {config.size}: "
-                         f"init_distributed(context_parallel_size={config.size})")
+        raise ValueError(f"the {config.group!r} group has {handle.size} ranks, not {config.size}: collectives were "
+                         f"initialised without context_parallel_size={config.size} (with CFG-parallel too, call "
+                         f"enable_context_parallel({config.size}, cfg_parallel=True) instead of enable_cfg_parallel())")
 
 
 def prepare_context_parallel(transformers: list[torch.nn.Module], config: ContextParallelConfig):

@@ -128,3 +128,11 @@ def test_a_batch_splits_over_data_parallel_groups_of_context_parallel_ranks(laun
     assert [r["line"] for r in records] == [1, 2, 3] and all(r["status"] == "ok" for r in records)
     assert all((folder / r["path"]).stat().st_size > 0 for r in records)
     assert all(r["stats"]["extra"]["context_parallel"]["size"] == 2 for r in records)
+
+
+def test_the_cli_refuses_context_parallel_without_torchrun(tiny_wan_4_heads, tmp_path, capsys):
+    from metainfer_gen.apps.cli import main
+
+    code = main(["render", "a red circle", "-o", str(tmp_path / "clip.mp4"), "--model", str(tiny_wan_4_heads["t2v"]),
+                 "--context-parallel", "2", "--cfg-parallel", "--device", "cpu"])
+    assert code == 2 and "launch with torchrun --nproc-per-node 4" in capsys.readouterr().err
