@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 
 from tests.video.cfg_workers import CLI_ARGS, I2V_CALL, T2V_CALL, load, reference_image, render
+from tests.video.wan22 import two_expert_pipeline
 
 # 8 steps, so that the step cache has steps to reuse after its warm-up; a budget that reuses wherever the cap allows.
 CACHED_CALL = {**T2V_CALL, "num_inference_steps": 8}
+EXPERTS_CALL = {**T2V_CALL, "num_inference_steps": 12}
 
 
 def cache_config():
@@ -49,6 +51,11 @@ def cp_cases(rank: int, world: int, args: dict) -> dict:
             t2v.disable_embed_memo()
         t2v.enable_step_cache(cache_config())
         out["cached"] = render(t2v, CACHED_CALL)
+        if not cfg and size == world:  # Wan 2.2's two experts under CP, both cached
+            experts = two_expert_pipeline(args["t2v"])
+            experts.enable_context_parallel(size)
+            experts.enable_step_cache(cache_config())
+            out["experts"] = render(experts, EXPERTS_CALL)
         out["layout"] = {name: (g.rank, g.size) for name, g in collectives.get_state().groups.items()}
         collectives.shutdown_distributed()
         results[(cfg, size)] = out

@@ -15,7 +15,8 @@ import pytest
 
 from tests.collectives.harness import run_ranks
 from tests.video.cfg_workers import I2V_CALL, T2V_CALL, load, reference_image, render
-from tests.video.cp_workers import CACHED_CALL, cache_config, decisions
+from tests.video.cp_workers import CACHED_CALL, EXPERTS_CALL, cache_config, decisions
+from tests.video.wan22 import two_expert_pipeline
 
 ATOL = 1e-5
 LAYOUTS = [(False, 2), (False, 4), (True, 2)]  # (CFG-parallel, CP size): 2, 4 and 2 x 2 ranks
@@ -29,6 +30,9 @@ def single(tiny_wan_4_heads):
     out = {"t2v": render(t2v, T2V_CALL), "i2v": render(i2v, I2V_CALL, reference_image())}
     t2v.enable_step_cache(cache_config())
     out["cached"] = render(t2v, CACHED_CALL)
+    experts = two_expert_pipeline(tiny_wan_4_heads["t2v"])
+    experts.enable_step_cache(cache_config())
+    out["experts"] = render(experts, EXPERTS_CALL)
     return out
 
 
@@ -68,6 +72,11 @@ def test_context_parallel_clip_equals_the_single_process_clip(launches, single, 
             _assert_same_clip(out[case], single[case])
         if "memo" in out:  # the embed memo under CP: still the one-process clip
             _assert_same_clip(out["memo"], single["t2v"])
+        if "experts" in out:  # Wan 2.2's two experts, cached, under CP: the one-process clip and decisions
+            _assert_same_clip(out["experts"], single["experts"])
+            assert decisions(out["experts"]) == decisions(single["experts"])
+            assert {r["model"] for r in out["experts"]["stats"]["cache"]["steps"] if not r["computed"]} == \
+                {"transformer", "transformer_2"}
             record = out[case]["stats"]["extra"]["context_parallel"]
             assert (record["rank"], record["size"]) == (rank % size, size)
             assert record["num_tokens"] == 32 and record["tokens_per_rank"] == 32 // size

@@ -118,18 +118,9 @@ def test_branches_keep_separate_state(family):
 
 
 def test_wan22_two_experts_get_separate_state_and_both_reuse(tiny_wan_dir):
-    from diffusers import WanPipeline
+    from tests.video.wan22 import two_expert_pipeline
 
-    from metainfer_gen.pipelines import TextToVideoPipeline
-
-    base = WanPipeline.from_pretrained(str(tiny_wan_dir))
-    torch.manual_seed(3)
-    second = type(base.transformer)(**base.transformer.config).eval()
-    experts = WanPipeline(tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=base.vae,
-                          transformer=base.transformer, transformer_2=second, scheduler=base.scheduler,
-                          boundary_ratio=0.8, expand_timesteps=True)
-    pipe = TextToVideoPipeline(experts)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = two_expert_pipeline(tiny_wan_dir)
     plain = pipe("a red circle moving right", num_frames=5, height=32, width=32, num_inference_steps=12,
                  guidance_scale=5.0, seed=0)
     pipe.enable_step_cache(PERMISSIVE)
