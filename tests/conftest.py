@@ -32,7 +32,7 @@ def _tiny_vae():
     ).eval()
 
 
-def _tiny_transformer(in_channels: int, text_dim: int):
+def _tiny_transformer(in_channels: int, text_dim: int, num_heads: int = 2):
     import torch
     from diffusers import WanTransformer3DModel
 
@@ -41,7 +41,7 @@ def _tiny_transformer(in_channels: int, text_dim: int):
     # not from the position table.
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),
-        num_attention_heads=2,
+        num_attention_heads=num_heads,
         attention_head_dim=8,
         in_channels=in_channels,
         out_channels=Z_DIM,
@@ -82,28 +82,20 @@ def no_interpret(monkeypatch):
 
 
 
-@pytest.fixture(scope="session")
-def tiny_wan_dir(tmp_path_factory) -> Path:
-    """A saved ``diffusers.WanPipeline``, Wan 2.2 TI2V-style (``expand_timesteps=True``): T2V and I2V weights."""
+def _save_t2v(path: Path, num_heads: int = 2) -> Path:
+    """A ``diffusers.WanPipeline``, Wan 2.2 TI2V-style (``expand_timesteps=True``), saved to ``path``."""
     from diffusers import WanPipeline
 
     tokenizer, text_encoder, text_dim = _text_parts()
-    pipe = WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
-        vae=_tiny_vae(),
-        transformer=_tiny_transformer(Z_DIM, text_dim),
-        scheduler=_scheduler(),
-        expand_timesteps=True,
-    )
-    path = tmp_path_factory.mktemp("tiny_wan")
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=_tiny_vae(),
+                       transformer=_tiny_transformer(Z_DIM, text_dim, num_heads), scheduler=_scheduler(),
+                       expand_timesteps=True)
     pipe.save_pretrained(str(path))
     return path
 
 
-@pytest.fixture(scope="session")
-def tiny_wan_i2v_dir(tmp_path_factory) -> Path:
-    """A saved Wan 2.1-style ``diffusers.WanImageToVideoPipeline`` without a CLIP image encoder.
+def _save_i2v(path: Path, num_heads: int = 2) -> Path:
+    """A Wan 2.1-style ``diffusers.WanImageToVideoPipeline`` without a CLIP image encoder, saved to ``path``.
 
     The transformer reads the noisy latents concatenated with the 4-channel first-frame mask and the image
     latents (``in_channels = 2 * z_dim + 4``); this checkpoint cannot do text-to-video.
@@ -111,19 +103,32 @@ def tiny_wan_i2v_dir(tmp_path_factory) -> Path:
     from diffusers import WanImageToVideoPipeline
 
     tokenizer, text_encoder, text_dim = _text_parts()
-    pipe = WanImageToVideoPipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
-        vae=_tiny_vae(),
-        transformer=_tiny_transformer(2 * Z_DIM + 4, text_dim),
-        scheduler=_scheduler(),
-        image_encoder=None,
-        image_processor=None,
-        expand_timesteps=False,
-    )
-    path = tmp_path_factory.mktemp("tiny_wan_i2v")
+    pipe = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=_tiny_vae(),
+                                   transformer=_tiny_transformer(2 * Z_DIM + 4, text_dim, num_heads),
+                                   scheduler=_scheduler(), image_encoder=None, image_processor=None,
+                                   expand_timesteps=False)
     pipe.save_pretrained(str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_dir(tmp_path_factory) -> Path:
+    """A saved ``diffusers.WanPipeline``, Wan 2.2 TI2V-style (``expand_timesteps=True``): T2V and I2V weights."""
+    return _save_t2v(tmp_path_factory.mktemp("tiny_wan"))
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_i2v_dir(tmp_path_factory) -> Path:
+    """A saved Wan 2.1-style image-to-video pipeline (see :func:`_save_i2v`)."""
+    return _save_i2v(tmp_path_factory.mktemp("tiny_wan_i2v"))
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_4_heads(tmp_path_factory) -> dict[str, Path]:
+    """The two tiny pipelines with 4 attention heads, so Ulysses context parallelism splits them 2 and 4 ways:
+    ``{"t2v": dir, "i2v": dir}``."""
+    return {"t2v": _save_t2v(tmp_path_factory.mktemp("tiny_wan_4h"), num_heads=4),
+            "i2v": _save_i2v(tmp_path_factory.mktemp("tiny_wan_i2v_4h"), num_heads=4)}
 
 
 @pytest.fixture(scope="session")

@@ -71,6 +71,9 @@ def _add_render_parser(subparsers) -> None:
     p.add_argument("--cfg-parallel", action="store_true",
                    help="under torchrun (even number of ranks): each pair of ranks computes the conditional and "
                         "unconditional passes of a clip side by side; with --prompts the pairs split the file")
+    p.add_argument("--context-parallel", type=positive_int, default=None, metavar="N",
+                   help="under torchrun: split each clip's video tokens over N ranks (Ulysses attention); with "
+                        "--cfg-parallel a clip takes 2 x N ranks; with --prompts the groups split the file")
     p.add_argument("--audit", action="store_true", help="print which kernel paths ran and why faster ones were refused")
     p.set_defaults(func=cmd_render)
 
@@ -123,7 +126,9 @@ def _pipeline_factory(args: argparse.Namespace) -> Callable[[str], Any]:
                 pipe = cls.from_pretrained(args.model, device=args.device, **options)
                 apply_model_options(pipe, args)
                 pipe.enable_step_cache(args.cache, calibration=args.cache_calibration)
-                if args.cfg_parallel:
+                if args.context_parallel:
+                    pipe.enable_context_parallel(args.context_parallel, cfg_parallel=args.cfg_parallel)
+                elif args.cfg_parallel:
                     pipe.enable_cfg_parallel()
             loaded[task] = pipe
         return loaded[task]
@@ -147,14 +152,17 @@ def _start_ranks(args: argparse.Namespace):
     from metainfer_gen.collectives import launched_world_size
 
     if launched_world_size() == 1:
+        if args.context_parallel:
+            raise ValueError(f"--context-parallel {args.context_parallel} splits a clip over several ranks: launch "
+                             f"with torchrun --nproc-per-node {args.context_parallel * (1 + args.cfg_parallel)}")
         return None
     from metainfer_gen.apps.render_ranks import RenderRanks
 
-    ranks = RenderRanks.start(cfg_parallel=args.cfg_parallel)
+    ranks = RenderRanks.start(cfg_parallel=args.cfg_parallel, context_parallel=args.context_parallel or 1)
     if args.prompts is None and ranks.dp_size > 1:
-        raise ValueError(f"one clip under torchrun uses one pair of ranks (--cfg-parallel, --nproc-per-node 2); got "
-                         f"{ranks.state.world_size} ranks{'' if args.cfg_parallel else ' without --cfg-parallel'}: "
-                         "use --prompts FILE to split a batch over more")
+        per_clip = (1 + args.cfg_parallel) * (args.context_parallel or 1)
+        raise ValueError(f"one clip under torchrun uses {per_clip} rank(s) (--cfg-parallel: 2, --context-parallel "
+                         f"N: N); got {ranks.state.world_size} ranks: use --prompts FILE to split a batch over more")
     if args.device is None:
         args.device = str(ranks.state.device)  # NCCL: each rank its own GPU
     return ranks
@@ -198,7 +206,7 @@ def _render(args: argparse.Namespace) -> int:
         output = pipe(job.prompt, seed=job.seed, **job.call)
     else:
         output = pipe(job.image, job.prompt, seed=job.seed, **job.call)
-    if not main_rank:  # the CFG partner computed its branch; rank 0 writes the clip
+    if not main_rank:  # the CFG partner or CP peers computed their part; rank 0 writes the clip
         return 0
     path = output.save(args.output, fps=args.fps)
     stats = output.stats

@@ -261,8 +261,8 @@ class Shard:
 
     Attributes:
         index / count: this process takes the unfinished jobs ``index, index + count, ...`` (prompt-file order).
-        writes: False on a CFG-parallel partner: it computes its branch of the same jobs; its peer saves the clips
-            and the records.
+        writes: False on a CFG-parallel partner or a context-parallel peer: it computes its part of the same jobs;
+            CFG and CP rank 0 saves the clips and the records.
         sync: returns once every process of the batch has called it (a barrier). Called after the folder is
             cleaned, after every process has read the manifest (so all split the same unfinished jobs) and at
             the end.

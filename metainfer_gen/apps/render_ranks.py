@@ -43,11 +43,13 @@ class RenderRanks:
     sync_group: Any
 
     @classmethod
-    def start(cls, cfg_parallel: bool) -> "RenderRanks":
-        """Initialise collectives from torchrun's environment (``cfg_parallel_size=2`` with ``cfg_parallel``).
+    def start(cls, cfg_parallel: bool, context_parallel: int = 1) -> "RenderRanks":
+        """Initialise collectives from torchrun's environment (``cfg_parallel_size=2`` with ``cfg_parallel``,
+        ``context_parallel_size=context_parallel``: ranks = DP x CFG x CP).
 
         Raises:
-            ValueError: ``cfg_parallel`` with an odd world size; a bad timeout value.
+            ValueError: ``cfg_parallel`` with an odd world size, a world size that CFG x CP does not divide; a bad
+                timeout value.
         """
         import torch.distributed as dist
 
@@ -56,6 +58,10 @@ class RenderRanks:
         world = launched_world_size()
         if cfg_parallel and world % 2:
             raise ValueError(f"--cfg-parallel pairs ranks; torchrun started {world}: use an even --nproc-per-node")
+        per_clip = (2 if cfg_parallel else 1) * context_parallel
+        if world % per_clip:
+            raise ValueError(f"a clip takes {per_clip} ranks (CFG x context parallel); torchrun started {world}: use "
+                             f"a multiple of {per_clip} for --nproc-per-node")
         raw = os.environ.get(SYNC_TIMEOUT_ENV, str(DEFAULT_SYNC_TIMEOUT_S))
         try:
             timeout_s = float(raw)
@@ -63,7 +69,7 @@ class RenderRanks:
             timeout_s = -1.0
         if not timeout_s > 0:
             raise ValueError(f"environment variable {SYNC_TIMEOUT_ENV}={raw!r} must be a number of seconds > 0")
-        state = init_distributed(cfg_parallel_size=2 if cfg_parallel else 1)
+        state = init_distributed(cfg_parallel_size=2 if cfg_parallel else 1, context_parallel_size=context_parallel)
         group = dist.new_group(list(range(state.world_size)), backend="gloo",
                                timeout=datetime.timedelta(seconds=timeout_s))
         return cls(state, group)
@@ -84,9 +90,10 @@ class RenderRanks:
         dist.barrier(group=self.sync_group)
 
     def shard(self) -> Shard:
-        """This rank's part of the batch: its DP index, and whether it saves (CFG rank 0) or only computes."""
-        return Shard(index=self.state.groups["dp"].rank, count=self.dp_size,
-                     writes=self.state.groups["cfg"].rank == 0, sync=self.barrier)
+        """This rank's part of the batch: its DP index, and whether it saves (CFG and CP rank 0) or only computes."""
+        groups = self.state.groups
+        return Shard(index=groups["dp"].rank, count=self.dp_size,
+                     writes=groups["cfg"].rank == 0 and groups["cp"].rank == 0, sync=self.barrier)
 
     def totals(self, summary: BatchSummary) -> dict[str, Any]:
         """The batch's counts summed over the ranks (one all-gather), and what each rank rendered.
@@ -105,6 +112,7 @@ class RenderRanks:
         return {"rendered": sum(r[0] for r in rows), "skipped": sum(r[1] for r in rows),
                 "failed": sum(r[2] for r in rows), "manifest": summary.manifest, "world_size": self.state.world_size,
                 "data_parallel_size": self.dp_size, "cfg_parallel_size": self.state.cfg_parallel_size,
+                "context_parallel_size": self.state.context_parallel_size,
                 "rendered_per_rank": [r[0] for r in rows]}
 
     def close(self) -> None:

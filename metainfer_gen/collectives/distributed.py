@@ -7,8 +7,8 @@
     collectives.all_reduce(x, group="tp")
     collectives.shutdown_distributed()                             # also registered with atexit
 
-Rank layout: ``world = dp x cfg x tp`` with the TP index varying fastest (ranks 0..tp-1 form the first TP group), as
-in Megatron-LM and vLLM's ``initialize_model_parallel``. Every group with more than one rank whose ranks share a
+Rank layout: ``world = dp x cfg x cp x tp`` with the TP index varying fastest (ranks 0..tp-1 form the first TP group),
+then context parallelism (one clip's tokens), as in Megatron-LM and vLLM's ``initialize_model_parallel``. Every group with more than one rank whose ranks share a
 host gets a :class:`~metainfer_gen.collectives.communicator.ShmCommunicator`; the others keep the reason why not,
 and their collectives go to the backend with that reason in the audit.
 """
@@ -16,6 +16,7 @@ and their collectives go to the backend with that reason in the audit.
 from __future__ import annotations
 
 import atexit
+import itertools
 import dataclasses
 import datetime
 import os
@@ -35,7 +36,7 @@ class GroupHandle:
     """One process group and what serves it.
 
     Attributes:
-        name: "world", "tp", "cfg" or "dp".
+        name: "world", "tp", "cp", "cfg" or "dp".
         group: the ``torch.distributed`` group (None means the default group).
         ranks: global ranks of the members, in group-rank order.
         rank: this process's rank within the group.
@@ -65,8 +66,8 @@ class DistributedState:
         rank / world_size / local_rank: global rank, world size, rank on this host (``LOCAL_RANK``).
         backend: "gloo" or "nccl".
         device: ``torch.device`` this rank computes on (``cuda:<local_rank>`` with NCCL, else cpu).
-        tensor_parallel_size / cfg_parallel_size / data_parallel_size: the layout.
-        groups: "world", "tp", "cfg", "dp" -> :class:`GroupHandle` (this rank's group of each kind).
+        tensor_parallel_size / cfg_parallel_size / data_parallel_size / context_parallel_size: the layout.
+        groups: "world", "tp", "cp", "cfg", "dp" -> :class:`GroupHandle` (this rank's group of each kind).
         owns_process_group: True when this call created the default group (teardown destroys it).
     """
 
@@ -80,6 +81,7 @@ class DistributedState:
     data_parallel_size: int
     groups: dict = field(default_factory=dict)
     owns_process_group: bool = False
+    context_parallel_size: int = 1
 
 
 _STATE: list[DistributedState] = []
@@ -122,7 +124,7 @@ def _check_size(name: str, value) -> int:
 
 def init_distributed(tensor_parallel_size: int = 1, cfg_parallel_size: int = 1, *, backend: str | None = None,
                      timeout_s: float | None = None, slot_bytes: int = DEFAULT_SLOT_BYTES,
-                     tune: bool | None = None) -> DistributedState:
+                     tune: bool | None = None, context_parallel_size: int = 1) -> DistributedState:
     """Initialise torch.distributed from the environment torchrun sets, and the parallel groups on top.
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; without them it starts a
@@ -130,7 +132,8 @@ def init_distributed(tensor_parallel_size: int = 1, cfg_parallel_size: int = 1, 
     state (the sizes must match).
 
     Args:
-        tensor_parallel_size / cfg_parallel_size: group sizes; the data-parallel size is what remains of the world.
+        tensor_parallel_size / cfg_parallel_size / context_parallel_size: group sizes; the data-parallel size is
+            what remains of the world.
         backend: "gloo" or "nccl"; None picks NCCL when CUDA is available, else gloo.
         timeout_s: longest wait for a peer in any collective, seconds (default ``$METAINFER_COLLECTIVES_TIMEOUT``
             or 60); also the backend's timeout.
@@ -146,12 +149,13 @@ def init_distributed(tensor_parallel_size: int = 1, cfg_parallel_size: int = 1, 
 
     _check_size("tensor_parallel_size", tensor_parallel_size)
     _check_size("cfg_parallel_size", cfg_parallel_size)
+    _check_size("context_parallel_size", context_parallel_size)
     _check_size("slot_bytes", slot_bytes)
     if _STATE:
         state = _STATE[-1]
-        if (state.tensor_parallel_size, state.cfg_parallel_size) != (tensor_parallel_size, cfg_parallel_size):
-            raise ValueError(f"already initialised with tp={state.tensor_parallel_size}, "
-                             f"cfg={state.cfg_parallel_size}; call shutdown_distributed() first")
+        have = (state.tensor_parallel_size, state.cfg_parallel_size, state.context_parallel_size)
+        if have != (tensor_parallel_size, cfg_parallel_size, context_parallel_size):
+            raise ValueError(f"already initialised with (tp, cfg, cp) = {have}; call shutdown_distributed() first")
         return state
     if timeout_s is None:
         timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
@@ -177,18 +181,21 @@ def init_distributed(tensor_parallel_size: int = 1, cfg_parallel_size: int = 1, 
     backend = dist.get_backend()
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = _env_int("LOCAL_RANK", rank)
-    if world % (tensor_parallel_size * cfg_parallel_size):
-        raise ValueError(f"world size {world} is not divisible by tensor_parallel_size x cfg_parallel_size = "
-                         f"{tensor_parallel_size} x {cfg_parallel_size}")
+    model_parallel = tensor_parallel_size * cfg_parallel_size * context_parallel_size
+    if world % model_parallel:
+        raise ValueError(f"world size {world} is not divisible by tensor_parallel_size x cfg_parallel_size x "
+                         f"context_parallel_size = {tensor_parallel_size} x {cfg_parallel_size} x "
+                         f"{context_parallel_size}")
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
         torch.cuda.set_device(device)
-    dp = world // (tensor_parallel_size * cfg_parallel_size)
     state = DistributedState(rank=rank, world_size=world, local_rank=local_rank, backend=backend, device=device,
                              tensor_parallel_size=tensor_parallel_size, cfg_parallel_size=cfg_parallel_size,
-                             data_parallel_size=dp, owns_process_group=owns)
-    layouts = {"world": [list(range(world))], **_layout(world, tensor_parallel_size, cfg_parallel_size)}
+                             data_parallel_size=world // model_parallel, owns_process_group=owns,
+                             context_parallel_size=context_parallel_size)
+    layouts = {"world": [list(range(world))],
+               **_layout(world, tensor_parallel_size, cfg_parallel_size, context_parallel_size)}
     for name, all_ranks in layouts.items():
         if name != "world" and len(all_ranks[0]) == world:  # same members as the world group: share its buffers
             state.groups[name] = dataclasses.replace(state.groups["world"], name=name)
@@ -200,16 +207,18 @@ def init_distributed(tensor_parallel_size: int = 1, cfg_parallel_size: int = 1, 
     return state
 
 
-def _layout(world: int, tp: int, cfg: int) -> dict[str, list[list[int]]]:
-    """Member lists of every TP, CFG and DP group (rank = (dp_idx * cfg + cfg_idx) * tp + tp_idx)."""
-    dp = world // (tp * cfg)
-    ids = [(d, c, t) for d in range(dp) for c in range(cfg) for t in range(tp)]
+def _layout(world: int, tp: int, cfg: int, cp: int = 1) -> dict[str, list[list[int]]]:
+    """Member lists of every TP, CP, CFG and DP group (rank = ((dp_idx * cfg + cfg_idx) * cp + cp_idx) * tp + tp_idx)."""
+    sizes = {"dp": world // (tp * cfg * cp), "cfg": cfg, "cp": cp, "tp": tp}
+    axes = list(sizes)  # slowest first
+    ids = list(itertools.product(*(range(n) for n in sizes.values())))
     rank_of = {ix: k for k, ix in enumerate(ids)}
-    return {
-        "tp": [[rank_of[(d, c, t)] for t in range(tp)] for d in range(dp) for c in range(cfg)],
-        "cfg": [[rank_of[(d, c, t)] for c in range(cfg)] for d in range(dp) for t in range(tp)],
-        "dp": [[rank_of[(d, c, t)] for d in range(dp)] for c in range(cfg) for t in range(tp)],
-    }
+    groups = {}
+    for name in ("tp", "cp", "cfg", "dp"):
+        axis = axes.index(name)
+        others = sorted({ix[:axis] + ix[axis + 1:] for ix in ids})
+        groups[name] = [[rank_of[o[:axis] + (i,) + o[axis:]] for i in range(sizes[name])] for o in others]
+    return groups
 
 
 def _build_group(name: str, all_ranks: list[list[int]], rank: int, timeout_s: float, slot_bytes: int,

@@ -14,6 +14,7 @@ from typing import Any
 
 from metainfer_gen.pipelines.kernel_accelerators import KernelAcceleratorsMixin
 from metainfer_gen.pipelines.loading import load_diffusers_pipeline
+from metainfer_gen.pipelines.parallel import ParallelMixin
 from metainfer_gen.video.output import VideoOutput, measure, to_uint8_frames
 from metainfer_gen.video.rules import VideoRules
 
@@ -23,7 +24,7 @@ _SHAPE_ARGS = ("num_frames", "height", "width", "num_inference_steps", "guidance
 _MODEL_ARGS = ("max_sequence_length",)
 
 
-class VideoPipelineBase(KernelAcceleratorsMixin):
+class VideoPipelineBase(KernelAcceleratorsMixin, ParallelMixin):
     """Base of :class:`TextToVideoPipeline` and :class:`ImageToVideoPipeline`; not used directly."""
 
     task: str = ""
@@ -35,7 +36,7 @@ class VideoPipelineBase(KernelAcceleratorsMixin):
         self.rules = VideoRules.from_pipeline(pipe)
         self.last_audit = None  # kernels.Audit of the last call: which kernel paths ran, and why others were refused
         self.step_cache = None  # the enabled video.cache.CachePolicy, or None
-        self.cfg_parallel = None  # the video.cfg_parallel.CfgParallelConfig when enabled, or None
+        self.cfg_parallel = self.context_parallel = None  # one clip on several ranks (pipelines.parallel)
         self._loras = None  # video.lora.LoraSet, made on first use
 
     @classmethod
@@ -75,7 +76,7 @@ class VideoPipelineBase(KernelAcceleratorsMixin):
             pipe.set_progress_bar_config(**progress)
         new = cls(pipe, settings=other.settings, source=other.source)
         new.step_cache = other.step_cache  # same transformer objects: the hooks are already on them
-        new.cfg_parallel = other.cfg_parallel
+        new.cfg_parallel, new.context_parallel = other.cfg_parallel, other.context_parallel
         new._loras = other._loras  # and the same adapters
         return new
 
@@ -110,9 +111,9 @@ class VideoPipelineBase(KernelAcceleratorsMixin):
                 ``"auto=0.2"`` (ours with that error budget), a ``video.cache.StepCacheConfig``, or a baseline for
                 comparison: ``"fbcache[=threshold]"``, ``"magcache[=threshold]"``, ``"taylorseer[=interval]"``,
                 ``"dbcache[=threshold]"`` (needs cache-dit). ``"off"`` does nothing. The named presets stand
-                aside in calls of fewer than ``video.cache.config.PRESET_MIN_INFERENCE_STEPS`` (10) steps, where
-                reuse lost the clip (stats: ``disabled_reason``); a ``StepCacheConfig`` sets its own
-                ``min_inference_steps`` (default: none).
+                aside in guided calls of fewer than ``video.cache.config.PRESET_MIN_INFERENCE_STEPS`` (10) steps
+                and unguided ones of fewer than ``PRESET_MIN_UNGUIDED_INFERENCE_STEPS`` (6), where reuse lost the
+                clip (stats: ``disabled_reason``); a ``StepCacheConfig`` sets its own floors (default: none).
             calibration: for ours, a ``metainfer-gen calibrate`` file (path) or a loaded ``Calibration``. Left
                 out, the named presets (``"auto"``, ``"quality"``, ``"fast"``, ``"auto=0.2"``) use the
                 ``step_cache_calibration.json`` beside the model when present; a ``StepCacheConfig`` uses its own
@@ -139,39 +140,6 @@ class VideoPipelineBase(KernelAcceleratorsMixin):
         if self.step_cache is not None:
             self.step_cache.remove(self.diffusers_pipeline)
         self.step_cache = None
-
-    def enable_cfg_parallel(self, config: Any = None) -> None:
-        """Run the conditional and unconditional transformer passes of each step on two ranks (under torchrun).
-
-        Every rank runs the same script and makes the same calls; each computes one branch per step, the two
-        exchange their noise predictions (one all-gather per step) and all end with the same latents and clip.
-        Calls with ``guidance_scale <= 1``, in a one-process world, or on a pipeline that batches its branches run
-        the ordinary way; ``out.stats.extra["cfg_parallel"]`` and the audit (op ``cfg_parallel``) say which path
-        ran and why. See :mod:`metainfer_gen.video.cfg_parallel`. Example (``torchrun --nproc-per-node 2``)::
-
-            pipe = pipelines.TextToVideoPipeline.from_pretrained()
-            pipe.enable_cfg_parallel()
-            out = pipe("a red circle moving right", guidance_scale=5.0, seed=0)
-
-        Args:
-            config: a ``video.cfg_parallel.CfgParallelConfig`` (default: the ``"cfg"`` group). When torchrun
-                started several ranks and collectives are not initialised yet, this initialises them with
-                ``cfg_parallel_size=2``; on NCCL, load the pipeline with
-                ``device=str(collectives.get_state().device)``.
-        Raises:
-            ValueError: an odd world size, or a CFG group of more than two ranks. TypeError: a wrong config type.
-        """
-        from metainfer_gen.video.cfg_parallel import CfgParallelConfig, connect_cfg_group
-
-        config = CfgParallelConfig() if config is None else config
-        if not isinstance(config, CfgParallelConfig):
-            raise TypeError(f"config must be a CfgParallelConfig; got {type(config).__name__}")
-        connect_cfg_group(config)
-        self.cfg_parallel = config
-
-    def disable_cfg_parallel(self) -> None:
-        """Compute both CFG branches on every rank again (collectives stay initialised)."""
-        self.cfg_parallel = None
 
     @property
     def loras(self):
@@ -245,37 +213,22 @@ class VideoPipelineBase(KernelAcceleratorsMixin):
                 call_kwargs.setdefault(name, self.settings[name])
         session = self.step_cache.session(self.diffusers_pipeline, steps) if self.step_cache else nullcontext(None)
         with audit() as report:
-            cfg_session = nullcontext(None)
-            if self.cfg_parallel is not None:
-                cfg_session, seed = self._cfg_parallel_session(call_kwargs, seed, generator)
-                if generator is None:
-                    settings["seed"] = seed  # rank 0's draw when no seed was given: the clip is reproducible
+            parallel, seed = self._parallel_session(call_kwargs, seed, generator)
+            if generator is None:
+                settings["seed"] = seed  # with several ranks, rank 0's draw when no seed was given: reproducible
             if generator is None and seed is not None:
                 generator = torch.Generator(device="cpu").manual_seed(seed)
             with measure(self.transformers, self.device) as stats, torch.inference_mode(), \
-                    count_block_evaluations(self.transformers) as blocks, session as cache_report, cfg_session as cfg, \
-                    self._embed_memo_call():
+                    count_block_evaluations(self.transformers) as blocks, session as cache_report, \
+                    parallel as records, self._embed_memo_call():
                 result = self.diffusers_pipeline(**call_kwargs, generator=generator, output_type="np")
         self.last_audit = report
         stats.num_inference_steps = steps
         stats.block_evaluations = blocks.num_evaluations
         stats.cache = cache_report
-        if cfg is not None:
-            stats.transformer_calls -= cfg.num_skipped_calls  # calls this rank returned without computing
-            stats.extra["cfg_parallel"] = cfg.to_dict()
+        self._parallel_stats(stats, records)
         fps = float(self.settings.get("fps", 8.0))
         return [VideoOutput(to_uint8_frames(v), stats, dict(settings), fps=fps) for v in result.frames]
-
-    def _cfg_parallel_session(self, call_kwargs: dict[str, Any], seed: int | None, generator):
-        """(context manager around the diffusers call, seed to use): the path decided, both ranks agreed."""
-        from metainfer_gen.video.cfg_parallel import agree_on_call, call_fingerprint, cfg_parallel_hooks, \
-            plan_cfg_parallel
-
-        record = plan_cfg_parallel(self.cfg_parallel, self.diffusers_pipeline, call_kwargs.get("guidance_scale"))
-        seed = agree_on_call(record, self.cfg_parallel, call_fingerprint({**call_kwargs, "seed": seed}), seed,
-                             generator is not None)
-        site = f"{type(self).__name__}.__call__"
-        return cfg_parallel_hooks(self.transformers, record, self.cfg_parallel, site), seed
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.diffusers_pipeline).__name__} from {self.source}, {self.rules})"

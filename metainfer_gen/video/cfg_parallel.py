@@ -28,26 +28,21 @@ all-gathers the noise predictions; here the split is over the two calls the pipe
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-import json
-import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any, Iterator
 
 import torch
-from diffusers.hooks.hooks import HookRegistry, ModelHook
-from diffusers.utils.torch_utils import unwrap_module
+from diffusers.hooks.hooks import HookRegistry
 
-from metainfer_gen.video.cache.blocks import HIDDEN_ARG, BlockIO
+from metainfer_gen.video.cfg_parallel_hook import CFG_PARALLEL_HOOK, CfgParallelHook, _Pair
+from metainfer_gen.video.rank_agreement import group_handle
 
 __all__ = ["AUDIT_OP", "CFG_PARALLEL_HOOK", "CfgParallelConfig", "CfgParallelHook", "CfgParallelRecord", "CfgPath",
-           "PAIRED_CALL_PIPELINES", "agree_on_call", "apply_cfg_parallel", "call_fingerprint", "cfg_parallel_hooks",
+           "PAIRED_CALL_PIPELINES", "apply_cfg_parallel", "cfg_parallel_hooks",
            "connect_cfg_group", "plan_cfg_parallel", "remove_cfg_parallel"]
 
-CFG_PARALLEL_HOOK = "metainfer_cfg_parallel"
 AUDIT_OP = "cfg_parallel"
 # Diffusers pipelines that call the transformer once per CFG branch (cond, then uncond) and combine after the second.
 PAIRED_CALL_PIPELINES = frozenset({"WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline"})
@@ -106,9 +101,7 @@ class CfgParallelRecord:
 
 def _handle(config: CfgParallelConfig):
     """This rank's collectives group for ``config`` (None when collectives are not initialised)."""
-    from metainfer_gen.collectives.distributed import get_state, is_initialized
-
-    return get_state().groups[config.group] if is_initialized() else None
+    return group_handle(config.group)
 
 
 def connect_cfg_group(config: CfgParallelConfig) -> None:
@@ -173,159 +166,6 @@ def plan_cfg_parallel(config: CfgParallelConfig, pipeline: Any, guidance_scale: 
                          "device=str(collectives.get_state().device)")
     return record(CfgPath.PARALLEL, f"guidance_scale={guidance_scale} > 1 on a {size}-rank {config.group!r} group: "
                                     "cond on rank 0, uncond on rank 1, one all-gather per step")
-
-
-def call_fingerprint(call: dict[str, Any]) -> int:
-    """A 63-bit hash of a pipeline call's arguments: tensors, arrays and images by their bytes, callables by name.
-
-    Equal on two ranks exactly when they make the same call (object addresses never enter it).
-    """
-
-    def encode(value: Any) -> str:
-        if isinstance(value, torch.Tensor):
-            value = value.detach().cpu().numpy()
-        if hasattr(value, "tobytes"):  # numpy arrays, PIL images
-            size = getattr(value, "shape", None) or getattr(value, "size", None)
-            return f"{type(value).__name__}{size}:{hashlib.sha256(value.tobytes()).hexdigest()}"
-        if callable(value):
-            return getattr(value, "__qualname__", type(value).__name__)
-        return type(value).__name__
-
-    text = json.dumps(call, sort_keys=True, default=encode)
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
-
-
-def agree_on_call(record: CfgParallelRecord, config: CfgParallelConfig, fingerprint: int, seed: int | None,
-                  has_generator: bool) -> int | None:
-    """On a two-rank group, check that both ranks make the same call and give them one seed.
-
-    One all-gather of three int64 values. A call without ``seed`` and ``generator`` would draw different noise on
-    each rank: both then use a seed drawn on rank 0 (from torch's global generator). A ``generator`` passed by the
-    caller cannot be compared: it must be seeded alike on both ranks.
-
-    Returns:
-        the seed to use (``seed``, or rank 0's draw).
-    Raises:
-        ValueError: the ranks' arguments differ (raised on both ranks, so neither waits for the other).
-    """
-    if record.group_size != 2:
-        return seed
-    from metainfer_gen.collectives import all_gather
-    from metainfer_gen.collectives.distributed import get_state
-
-    drawn = seed if seed is not None else int(torch.randint(0, 2**62, ()).item())
-    mine = torch.tensor([fingerprint, drawn, int(has_generator)], dtype=torch.int64, device=get_state().device)
-    both = torch.empty(2, 3, dtype=torch.int64, device=mine.device)
-    all_gather(both, mine, group=_handle(config), site="cfg_parallel.agree_on_call")
-    both = both.cpu().tolist()
-    if both[0][0] != both[1][0]:
-        raise ValueError(f"CFG-parallel ranks were called with different arguments (fingerprints {both[0][0]:x} "
-                         f"and {both[1][0]:x}): every rank must make the same pipeline call")
-    if seed is not None or has_generator:
-        return seed
-    return both[0][1]
-
-
-@dataclass(slots=True)
-class _Pair:
-    """The open pair of one transformer: what its first call left for the second."""
-
-    handle: Any
-    record: CfgParallelRecord
-    pending: torch.Tensor | None = None  # rank 0: its computed cond; rank 1: the empty tensor it returned
-    timestep: Any = None
-    shape: tuple[int, ...] | None = None
-
-
-def _sample(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    return output.sample if hasattr(output, "sample") else output[0]
-
-
-class CfgParallelHook(ModelHook):
-    """On a transformer, for one pipeline call: computes this rank's call of each pair and exchanges predictions.
-
-    Works on any transformer whose ``forward`` takes ``hidden_states`` and ``timestep`` and returns a tensor, a
-    tuple (``return_dict=False``) or an output with ``.sample``. Shapes: ``hidden_states`` (B, C_in, F, H, W), the
-    prediction (B, C_out, F, H, W) in the latents' dtype; C_out may differ from C_in (Wan 2.1 I2V reads 36
-    channels and predicts 16). The exchange moves ``2 x B*C_out*F*H*W`` elements per step (one all-gather).
-
-    Raises (from the forward):
-        RuntimeError: the second call of a pair is at another timestep or latent shape than the first, or the
-            prediction's dtype differs from the latents'. CollectiveTimeout: the peer rank did not reach the
-            exchange within the collectives' timeout.
-    """
-
-    def __init__(self, pair: _Pair):
-        super().__init__()
-        self.pair = pair
-        self.io: BlockIO | None = None
-        self.return_dict_default = True
-
-    def initialize_hook(self, module):
-        signature = inspect.signature(type(unwrap_module(module)).forward).parameters
-        self.io = BlockIO(tuple(signature)[1:], None, None)
-        if "return_dict" in signature and signature["return_dict"].default is not inspect.Parameter.empty:
-            self.return_dict_default = signature["return_dict"].default
-        return module
-
-    def new_forward(self, module, *args, **kwargs):
-        pair = self.pair
-        hidden = self.io.argument(HIDDEN_ARG, args, kwargs)
-        timestep = self.io.argument("timestep", args, kwargs)
-        first = pair.pending is None
-        computes = (pair.handle.rank == 0) == first  # rank 0 computes the first call (cond), rank 1 the second
-        if first:
-            pair.timestep, pair.shape = timestep, tuple(hidden.shape)
-        else:
-            self._check_pair(hidden, timestep)
-        output = self.fn_ref.original_forward(*args, **kwargs) if computes else None
-        if not computes:
-            pair.record.num_skipped_calls += 1
-        if first:
-            pair.pending = _sample(output) if computes else hidden.new_empty(0)
-            return output if computes else self._wrap(pair.pending, args, kwargs)
-        mine = _sample(output) if computes else pair.pending
-        cond, uncond = self._exchange(mine)
-        pending, pair.pending, pair.timestep = pair.pending, None, None
-        if pair.handle.rank == 0:
-            return self._wrap(uncond, args, kwargs)
-        if pending.dtype != cond.dtype:
-            raise RuntimeError(f"the transformer predicts {cond.dtype} from {pending.dtype} latents; CFG-parallel "
-                               "fills the first call's output in the latents' dtype (cast the model and latents alike)")
-        pending.resize_(cond.shape).copy_(cond)  # the tensor the pipeline holds from the first call
-        return output
-
-    def _check_pair(self, hidden: torch.Tensor, timestep) -> None:
-        pair = self.pair
-        same_step = timestep is pair.timestep or (
-            isinstance(timestep, torch.Tensor) and isinstance(pair.timestep, torch.Tensor)
-            and timestep.shape == pair.timestep.shape and torch.equal(timestep, pair.timestep))
-        if not same_step or tuple(hidden.shape) != pair.shape:
-            raise RuntimeError("CFG-parallel pairs the two transformer calls of a step, but this call's timestep or "
-                               f"latent shape {tuple(hidden.shape)} differs from the first call's {pair.shape}: the "
-                               "pipeline does not call cond then uncond at one timestep; disable_cfg_parallel()")
-
-    def _exchange(self, mine: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from metainfer_gen.collectives import all_gather
-
-        mine = mine.contiguous()
-        both = torch.empty((2, *mine.shape), dtype=mine.dtype, device=mine.device)
-        start = time.perf_counter()
-        all_gather(both, mine, group=self.pair.handle, site="CfgParallelHook.exchange")
-        record = self.pair.record
-        record.exchange_seconds += time.perf_counter() - start
-        record.num_exchanges += 1
-        return both[0], both[1]
-
-    def _wrap(self, sample: torch.Tensor, args: tuple, kwargs: dict):
-        return_dict = self.io.argument("return_dict", args, kwargs)
-        if not (self.return_dict_default if return_dict is None else return_dict):
-            return (sample,)
-        from diffusers.models.modeling_outputs import Transformer2DModelOutput
-
-        return Transformer2DModelOutput(sample=sample)
 
 
 def apply_cfg_parallel(transformer: torch.nn.Module, record: CfgParallelRecord,

@@ -11,7 +11,7 @@ from PIL import Image
 
 from metainfer_gen.apps.demo_backend import DemoBackend, cache_choices
 from metainfer_gen.apps.demo_limits import DemoLimits, InputError
-from metainfer_gen.video.cache.config import PRESET_MIN_INFERENCE_STEPS
+from metainfer_gen.video.cache.config import PRESET_MIN_INFERENCE_STEPS, PRESET_MIN_UNGUIDED_INFERENCE_STEPS
 from metainfer_gen.video.export import read_video
 
 SMALL = dict(num_frames=5, height=32, width=32, num_inference_steps=4, guidance_scale=1.0, seed=0)
@@ -63,9 +63,12 @@ def test_a_cached_run_reports_reuse_and_speedup_against_the_uncached_run_of_the_
 
 
 def test_a_preset_below_its_floor_says_it_stood_aside(backend):
-    few = t2v(backend, cache="fast", num_inference_steps=4)
+    few = t2v(backend, cache="fast", num_inference_steps=4, guidance_scale=4.0)
     assert f"step cache fast: stood aside (num_inference_steps=4 is below min_inference_steps=" \
            f"{PRESET_MIN_INFERENCE_STEPS}" in few.stats_text
+    unguided = t2v(backend, cache="fast", num_inference_steps=4)  # guidance 1: the lower unguided floor
+    assert "step cache fast: stood aside (num_inference_steps=4 is below min_unguided_inference_steps=" \
+           f"{PRESET_MIN_UNGUIDED_INFERENCE_STEPS}" in unguided.stats_text
 
 
 def test_baseline_policies_report_block_evaluations(backend):

@@ -42,6 +42,14 @@ def test_group_layout_tp_fastest():
         assert sorted(r for g in kind for r in g) == list(range(8))
 
 
+def test_group_layout_context_parallel_inside_cfg():
+    groups = _layout(8, tp=1, cfg=2, cp=2)  # 2 DP x 2 CFG x 2 CP: a CP pair per branch, CP ranks adjacent
+    assert groups["cp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["cfg"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["tp"] == [[r] for r in range(8)]
+
+
 @pytest.mark.parametrize("scheme, bound", [("bf16", 2 ** -8), ("int8", 0.01)])
 @pytest.mark.parametrize("n", [1, 255, 256, 1001])
 def test_low_precision_round_trip(scheme, bound, n):

@@ -123,7 +123,7 @@ def test_an_odd_world_is_refused(fresh_t2v, monkeypatch):
 
 
 def test_fingerprint_sees_values_not_object_addresses():
-    from metainfer_gen.video.cfg_parallel import call_fingerprint
+    from metainfer_gen.video.rank_agreement import call_fingerprint
 
     image = reference_image()
     base = call_fingerprint({"prompt": "p", "image": image, "callback_on_step_end": reference_image})

@@ -6,6 +6,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -117,18 +118,9 @@ def test_branches_keep_separate_state(family):
 
 
 def test_wan22_two_experts_get_separate_state_and_both_reuse(tiny_wan_dir):
-    from diffusers import WanPipeline
+    from tests.video.wan22 import two_expert_pipeline
 
-    from metainfer_gen.pipelines import TextToVideoPipeline
-
-    base = WanPipeline.from_pretrained(str(tiny_wan_dir))
-    torch.manual_seed(3)
-    second = type(base.transformer)(**base.transformer.config).eval()
-    experts = WanPipeline(tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=base.vae,
-                          transformer=base.transformer, transformer_2=second, scheduler=base.scheduler,
-                          boundary_ratio=0.8, expand_timesteps=True)  # 6 steps each
-    pipe = TextToVideoPipeline(experts)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = two_expert_pipeline(tiny_wan_dir)
     plain = pipe("a red circle moving right", num_frames=5, height=32, width=32, num_inference_steps=12,
                  guidance_scale=5.0, seed=0)
     pipe.enable_step_cache(PERMISSIVE)
@@ -144,6 +136,21 @@ def test_wan22_two_experts_get_separate_state_and_both_reuse(tiny_wan_dir):
         assert all(r["computed"] for r in mine if r["step"] <= first + 1)
     assert [r["step"] for r in steps if r["branch"] == "cond"] == list(range(12))
     assert out.stats.block_evaluations < plain.stats.block_evaluations
+    # Step accounting per expert: the low-noise expert's span starts at step 0 of its own, each span's last step is
+    # computed (no reuse across the switch), and the stats count each expert apart.
+    spans = {name: [r for r in steps if r["model"] == name and r["branch"] == "cond"] for name in models}
+    high = len(spans["transformer"])
+    assert 0 < high < 12 and [r["step"] for r in spans["transformer_2"]] == list(range(high, 12))
+    for name, span in spans.items():
+        assert [r["model_step"] for r in span] == list(range(len(span))), name
+    assert spans["transformer"][-1]["computed"] and spans["transformer"][-1]["reason"] == "last step"
+    per_model = out.stats.cache["per_model"]
+    assert set(per_model) == models and all(counts["reused"] > 0 for counts in per_model.values())
+    assert sum(c["computed"] + c["reused"] for c in per_model.values()) == 24  # 12 steps x 2 branches
+    pipe.disable_step_cache()
+    again = pipe("a red circle moving right", num_frames=5, height=32, width=32, num_inference_steps=12,
+                 guidance_scale=5.0, seed=0)
+    assert np.array_equal(again.frames, plain.frames)
 
 
 def test_residuals_are_extrapolated_over_the_step_index_not_the_timestep(monkeypatch):

@@ -87,8 +87,16 @@ def is_step_cache_enabled(transformer: torch.nn.Module) -> bool:
     return _root_hook(transformer) is not None
 
 
-def begin_step_cache_call(transformer: torch.nn.Module, num_inference_steps: int, plan_key=None) -> None:
-    """Tell the cache the step count of the coming call; a different plan (steps, scheduler) resets all state."""
+def begin_step_cache_call(transformer: torch.nn.Module, num_inference_steps: int, plan_key=None,
+                          info_source=None) -> None:
+    """Tell the cache the step count of the coming call; a different plan (steps, scheduler) resets all state.
+
+    Args:
+        info_source: a callable returning the call's :class:`~metainfer_gen.video.cache.state.CallInfo` (Wan
+            2.2's expert spans, guidance on or off), read on its first step
+            (:func:`~metainfer_gen.video.cache.policy.call_info`); None: one transformer over the whole schedule,
+            guided.
+    """
     hook = _root_hook(transformer)
     if hook is None:
         return
@@ -96,6 +104,16 @@ def begin_step_cache_call(transformer: torch.nn.Module, num_inference_steps: int
         hook.reset_state(transformer)
         hook.plan_key = plan_key
     hook.run.tracker.num_inference_steps = num_inference_steps
+    hook.run.tracker.info_source = info_source
+
+
+def set_step_cache_reduction(transformer: torch.nn.Module, reduce) -> None:
+    """Under context parallelism: ``reduce(tensor)`` sums, in place, the cache's signal terms over the ranks that
+    share the clip's tokens, so every rank decides from the whole clip and all take the same decisions; None
+    (after the call) measures this rank alone again. No-op without the step cache."""
+    hook = _root_hook(transformer)
+    if hook is not None:
+        hook.run.reduce = reduce
 
 
 def end_step_cache_call(transformer: torch.nn.Module) -> StepCacheStats | None:

@@ -31,6 +31,12 @@ DEFAULT_PRESET = "balanced"
 # steps, and from 10 on keeps what it keeps at 20 (25.8-28.9 / 22.9-25.8 dB, 6-8 of 8). I2V, 81 frames: quality's
 # worst clip 12.8-16.1 dB at 4-8 steps, 20.6-24.6 dB from 10 on. One floor for all three.
 PRESET_MIN_INFERENCE_STEPS = 10
+# The same floor for unguided calls (guidance_scale <= 1, one branch per step: a reuse error is not multiplied by the
+# guidance scale), e.g. the shipped step LoRA's 4-8 steps. benchmarks/step_cache_few_steps.py, 17 frames, 8 held-out
+# prompts, auto with the floor off, PSNR mean / worst against the uncached clip of the same steps: the step LoRA
+# T2V 4 steps 28.1 / 26.7 dB, 6 steps 33.9 / 31.8, 8 steps 36.2 / 31.1; I2V 29.7 / 27.2, 35.5 / 33.0, 36.6 / 33.4;
+# the base model unguided (4 prompts, T2V) 33.7 / 31.9, 41.0 / 39.2, 40.7 / 34.4. Below 30 dB only at 4 steps.
+PRESET_MIN_UNGUIDED_INFERENCE_STEPS = 6
 
 
 @dataclass(slots=True)
@@ -89,6 +95,10 @@ class StepCacheConfig:
             built directly has no floor unless given one (lower it, or pass None, to reuse below the presets'
             floor at your own risk: ``StepCacheConfig.preset("auto", min_inference_steps=4)``). Independent of it,
             a call shorter than :meth:`min_steps_for_reuse` has no step to reuse.
+        min_unguided_inference_steps: the floor for calls without classifier-free guidance (one branch per step),
+            or None to apply ``min_inference_steps`` to them too. The named presets set
+            :data:`PRESET_MIN_UNGUIDED_INFERENCE_STEPS` (6): unguided few-step runs (the step LoRA at 6 and 8 steps)
+            kept 31-37 dB against their uncached clip where guided ones lost the clip.
     Raises:
         ValueError: a value out of range, with what to use instead.
     Example::
@@ -112,6 +122,7 @@ class StepCacheConfig:
     signal: str = "input"
     calibration: Any = None
     min_inference_steps: int | None = None
+    min_unguided_inference_steps: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.error_budget, bool) or not isinstance(self.error_budget, (int, float)) \
@@ -124,9 +135,10 @@ class StepCacheConfig:
         reference = self.cap_reference_steps
         if reference is not None and (isinstance(reference, bool) or not isinstance(reference, int) or reference < 1):
             raise ValueError(f"cap_reference_steps must be an integer >= 1 or None (a fixed cap); got {reference!r}")
-        floor = self.min_inference_steps
-        if floor is not None and (isinstance(floor, bool) or not isinstance(floor, int) or floor < 1):
-            raise ValueError(f"min_inference_steps must be an integer >= 1 or None (no floor); got {floor!r}")
+        for name in ("min_inference_steps", "min_unguided_inference_steps"):
+            floor = getattr(self, name)
+            if floor is not None and (isinstance(floor, bool) or not isinstance(floor, int) or floor < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None (no floor); got {floor!r}")
         for name in ("compute_last_step", "extrapolate", "gate_aware"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
@@ -165,8 +177,8 @@ class StepCacheConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown step-cache preset {name!r}; choose one of {sorted(PRESETS)} or 'auto'")
         budget, cap = PRESETS[name]
-        config = cls(error_budget=budget, max_consecutive_reuses=cap,
-                     min_inference_steps=PRESET_MIN_INFERENCE_STEPS)
+        config = cls(error_budget=budget, max_consecutive_reuses=cap, min_inference_steps=PRESET_MIN_INFERENCE_STEPS,
+                     min_unguided_inference_steps=PRESET_MIN_UNGUIDED_INFERENCE_STEPS)
         return replace(config, **overrides)
 
     def reuse_cap(self, num_inference_steps: int | None) -> int:
@@ -187,11 +199,11 @@ class StepCacheConfig:
         """Fewest ``num_inference_steps`` that leave a step between the warm-up and the (computed) last step."""
         return self.num_warmup_steps + (2 if self.compute_last_step else 1)
 
-    def reuse_off_reason(self, num_inference_steps: int | None) -> str | None:
+    def reuse_off_reason(self, num_inference_steps: int | None, guided: bool = True) -> str | None:
         """Why a call of ``num_inference_steps`` reuses no step at all, or None when it may (None steps: unknown).
 
         Too few steps for the warm-up and the computed last step (:meth:`min_steps_for_reuse`), or fewer than
-        :attr:`min_inference_steps`.
+        :attr:`min_inference_steps` (:attr:`min_unguided_inference_steps` for an unguided call, when set).
         """
         steps = num_inference_steps
         if steps is None:
@@ -200,9 +212,16 @@ class StepCacheConfig:
         if steps < needed:
             return (f"num_inference_steps={steps} is below {needed}: warm-up ({self.num_warmup_steps}) and the "
                     "computed last step leave no step to reuse")
+        if not guided and self.min_unguided_inference_steps is not None:
+            if steps < self.min_unguided_inference_steps:
+                return (f"num_inference_steps={steps} is below min_unguided_inference_steps="
+                        f"{self.min_unguided_inference_steps}: at so few steps each reused step skips a long stretch "
+                        "of the trajectory (the step LoRA at 4 unguided steps kept 28 dB against its uncached clip, "
+                        "under 30 dB); set StepCacheConfig.min_unguided_inference_steps lower to reuse anyway")
+            return None
         if self.min_inference_steps is not None and steps < self.min_inference_steps:
             return (f"num_inference_steps={steps} is below min_inference_steps={self.min_inference_steps}: at so "
                     "few steps each reused step skips a long stretch of the trajectory (on the embedded model "
-                    f"reuse lost the clip below {PRESET_MIN_INFERENCE_STEPS} steps); set "
+                    f"guided reuse lost the clip below {PRESET_MIN_INFERENCE_STEPS} steps); set "
                     "StepCacheConfig.min_inference_steps lower to reuse anyway")
         return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from diffusers.hooks.hooks import CacheContext, HookRegistry, ModelHook, StateManager
@@ -45,6 +46,9 @@ class _Run:
     record: StepRecord | None = None
     gated: GatedBlocks | None = None  # Wan-style blocks with gate_aware on: residuals from module outputs and gates
     temb: torch.Tensor | None = None  # the blocks' temb argument on this step
+    span_start: int = 0  # first step of this transformer's span in the call (Wan 2.2's low-noise expert: > 0)
+    span_steps: int | None = None  # steps in that span (None: unknown)
+    reduce: Callable[[torch.Tensor], None] | None = None  # sums the signal terms over context-parallel ranks
 
     @property
     def skip_blocks(self) -> int:
@@ -64,24 +68,29 @@ class _Run:
 
     def decide(self, sources: tuple[torch.Tensor, ...]) -> Decision:
         """Measure the signal on ``sources`` against the previous step's, decide, and record the step."""
-        state, steps = self.state, self.tracker.num_inference_steps
-        signal = signal_between(sources, state.signal_sources)
+        # Warm-up, reuse cap and last step count within this transformer's span: Wan 2.2's experts are two models
+        # with their own residuals, each starting cold at its own first step (as the calibration's curves are per
+        # model, at the global schedule position).
+        state, steps, local = self.state, self.span_steps, self.step - self.span_start
+        signal = signal_between(sources, state.signal_sources, self.reduce)
         state.signal_sources = sources
         if self.disabled_reason:
             decision = Decision(False, Reason.DISABLED)
         else:
             calibration = self.config.calibration
             prior = None
-            if calibration is not None and steps is not None and steps > 1:
-                prior = calibration.ratios_at(self.model, self.step / (steps - 1))
-            decision = state.book.decide(self.config, self.step, steps, signal,
+            total = self.tracker.num_inference_steps
+            if calibration is not None and total is not None and total > 1:
+                prior = calibration.ratios_at(self.model, self.step / (total - 1))
+            decision = state.book.decide(self.config, local, steps, signal,
                                          can_extrapolate=len(state.history) == 2, prior=prior,
                                          weight=self.tracker.step_weight(self.config.step_size_exponent))
             if decision.reuse and not state.history:
                 decision = Decision(False, Reason.NO_SIGNAL)
         self.reuse = decision.reuse
         self.record = StepRecord(self.step, self.branch, self.model, not decision.reuse, decision.reason.value,
-                                 signal, decision.predicted_error, self.config.error_budget, decision.extrapolate)
+                                 signal, decision.predicted_error, self.config.error_budget, decision.extrapolate,
+                                 model_step=local)
         self.tracker.current.steps.append(self.record)
         return decision
 
@@ -131,6 +140,7 @@ class StepCacheRootHook(ModelHook):
             # evenly in their own coordinate (the unshifted sigma of flow matching), and on the embedded model at
             # 50 steps the step index kept 0.0-1.7 dB more than the (shifted) timestep at the same reused steps.
             run.state, run.step, run.branch, run.position, run.reuse = state, step, branch, float(step), False
+            run.span_start, run.span_steps = tracker.span(run.model)
             run.disabled_reason = self._disabled_reason()
             return self.fn_ref.original_forward(*args, **kwargs)
         finally:
@@ -141,7 +151,7 @@ class StepCacheRootHook(ModelHook):
                 self.state_manager.set_context(None)
 
     def _disabled_reason(self) -> str | None:
-        reason = self.run.config.reuse_off_reason(self.run.tracker.num_inference_steps)
+        reason = self.run.config.reuse_off_reason(self.run.tracker.num_inference_steps, self.run.tracker.guided)
         if reason is not None:
             self.run.tracker.current.disabled_reason = reason
         return reason
@@ -227,7 +237,7 @@ class StepCacheBlockHook(_BlockHook):
         same = encoder is not None and head_encoder is not None and encoder.shape == head_encoder.shape
         summary = run.gated.take_capture(run.skip_blocks) if run.gated is not None else None
         changes = run.state.store(run.position, (hidden - head, encoder - head_encoder if same else None), summary,
-                                  run.assembler(hidden.dtype))
+                                  run.assembler(hidden.dtype), reduce=run.reduce)
         run.state.book.computed(run.config, *changes)
         if run.record is not None:
             run.record.change, run.record.extrapolation_error = changes

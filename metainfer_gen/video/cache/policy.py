@@ -19,6 +19,23 @@ def denoisers(pipe) -> list[tuple[str, Any]]:
     return [(n, getattr(pipe, n)) for n in names if getattr(pipe, n, None) is not None]
 
 
+def call_info(pipe):
+    """The running call's :class:`~metainfer_gen.video.cache.state.CallInfo`, read from a diffusers pipeline
+    inside its denoising loop: whether it guides (``do_classifier_free_guidance``; True when the pipeline does not
+    say), and for Wan 2.2's experts the steps each denoises, ``{"transformer": (0, n_high), "transformer_2":
+    (n_high, n_low)}``, as diffusers' Wan pipelines switch (timestep >= ``boundary_ratio`` x
+    ``num_train_timesteps`` on the high-noise ``transformer``, the rest on ``transformer_2``)."""
+    from metainfer_gen.video.cache.state import CallInfo
+
+    guided = bool(getattr(pipe, "do_classifier_free_guidance", True))
+    ratio = dict(getattr(pipe, "config", {})).get("boundary_ratio")
+    if ratio is None or getattr(pipe, "transformer_2", None) is None:
+        return CallInfo(None, guided)
+    timesteps = pipe.scheduler.timesteps
+    high = int((timesteps >= ratio * pipe.scheduler.config.num_train_timesteps).sum())
+    return CallInfo({"transformer": (0, high), "transformer_2": (high, len(timesteps) - high)}, guided)
+
+
 class CachePolicy:
     """Base: ``apply`` once, ``session`` around every call, ``remove`` once. Subclasses set ``name``."""
 
@@ -115,7 +132,7 @@ class StepCachePolicy(CachePolicy):
         plan = (num_inference_steps, type(scheduler).__name__,
                 repr(sorted(dict(getattr(scheduler, "config", {})).items())), adapters)
         for model in models:
-            begin_step_cache_call(model, num_inference_steps, plan)
+            begin_step_cache_call(model, num_inference_steps, plan, info_source=lambda: call_info(pipe))
         report: dict[str, Any] = {"policy": self.name}
         try:
             yield report

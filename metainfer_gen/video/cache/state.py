@@ -22,11 +22,26 @@ from metainfer_gen.video.cache.stats import StepCacheStats
 Parts = tuple[torch.Tensor, "torch.Tensor | None"]  # (image-token tensor, text-token tensor or None)
 
 
-def _relative_l1(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """mean|new - old| / mean|old| in float32, as a 0-d tensor (no host sync)."""
+Reduce = Callable[[torch.Tensor], None]  # in place: sum over the context-parallel ranks that share the tokens
+
+
+def _l1_terms(new: torch.Tensor, old: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """(2,) float32 ``[mean|new - old|, mean|scale|]`` (``scale`` defaults to ``old``), no host sync. Their ratio
+    is the relative L1 change; under context parallelism each rank holds an equal share of the tokens, so the
+    ratio of the terms summed over the ranks is the ratio over the whole clip."""
     new, old = _one_of_each_repeat(new, old)
     old32 = old.float()
-    return (new.float() - old32).abs().mean() / old32.abs().mean().clamp_min(1e-12)
+    scale32 = old32 if scale is None else scale.float()
+    return torch.stack(((new.float() - old32).abs().mean(), scale32.abs().mean()))
+
+
+def _ratios(terms: list[torch.Tensor], reduce: Reduce | None) -> torch.Tensor:
+    """(k,) float32 relative L1 changes of :func:`_l1_terms`, the terms summed over the ranks first (one
+    collective for all)."""
+    stacked = torch.stack(terms)  # (k, 2)
+    if reduce is not None:
+        reduce(stacked)
+    return stacked[:, 0] / stacked[:, 1].clamp_min(1e-12)
 
 
 def _one_of_each_repeat(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,11 +56,18 @@ def _one_of_each_repeat(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Ten
     return new[index], old[index]
 
 
-def signal_between(new: tuple[torch.Tensor, ...], old: tuple[torch.Tensor, ...] | None) -> float | None:
-    """Sum of the relative L1 changes of matching tensors (one host sync for all); None without a previous step."""
+def signal_between(new: tuple[torch.Tensor, ...], old: tuple[torch.Tensor, ...] | None,
+                   reduce: Reduce | None = None) -> float | None:
+    """Sum of the relative L1 changes of matching tensors (one host sync for all); None without a previous step.
+
+    Args:
+        reduce: under context parallelism, the in-place sum over the ranks that share the tokens, so every rank
+            gets the signal of the whole clip (and takes the same decision); None on one rank. Every rank calls
+            it here, or none does: whether there is a previous step depends only on the step, never on the shard.
+    """
     if old is None or len(old) != len(new) or any(a.shape != b.shape for a, b in zip(new, old)):
         return None
-    return float(sum(_relative_l1(a, b) for a, b in zip(new, old)))
+    return float(sum(_ratios([_l1_terms(a, b) for a, b in zip(new, old)], reduce)))
 
 
 @dataclass(slots=True)
@@ -96,18 +118,18 @@ class BranchState(BaseState):
         return tuple(_extrapolate_list([list(h.parts) for h in used], positions, position))
 
     def store(self, position: float, parts: Parts, gated_summary: list[torch.Tensor] | None = None,
-              assemble: Assemble | None = None) -> tuple[float | None, float | None]:
-        """Keep a computed residual; return (reuse change, extrapolation error) measured against history."""
+              assemble: Assemble | None = None, reduce: Reduce | None = None) -> tuple[float | None, float | None]:
+        """Keep a computed residual (this rank's shard of the tokens under context parallelism); return (reuse
+        change, extrapolation error) measured against history, over the whole clip when ``reduce`` is given."""
         measured: list[torch.Tensor] = []
         if self.history:
             last = self.history[-1].parts[0]
-            measured.append(_relative_l1(parts[0], last))
+            measured.append(_l1_terms(parts[0], last))
             if len(self.history) == 2:
                 guess = self.estimate(position, True, assemble if gated_summary is not None else None)[0]
-                measured.append((parts[0].float() - guess.float()).abs().mean()
-                                / last.float().abs().mean().clamp_min(1e-12))
+                measured.append(_l1_terms(parts[0], guess, scale=last))
         self.history = [*self.history[-1:], ComputedResidual(position, parts, gated_summary)]
-        values = torch.stack(measured).tolist() if measured else []  # one host sync for both
+        values: list[float | None] = _ratios(measured, reduce).tolist() if measured else []  # one host sync
         values += [None] * (2 - len(values))
         return values[0], values[1]
 
@@ -128,6 +150,16 @@ def _extrapolate_list(values: list[list], positions: list[float], position: floa
             for a, b in zip(values[0], values[1])]
 
 
+@dataclass(frozen=True, slots=True)
+class CallInfo:
+    """What the pipeline knows of a call once its loop started: ``spans``, ``{transformer attribute: (first step,
+    steps)}`` of Wan 2.2's experts (None: one transformer over the whole schedule), and whether it is ``guided``
+    (two CFG branches per step)."""
+
+    spans: dict[str, tuple[int, int]] | None = None
+    guided: bool = True
+
+
 @dataclass(slots=True)
 class CallTracker:
     """Step numbering and stats of one pipeline call, shared by the transformers of a pipeline.
@@ -146,6 +178,25 @@ class CallTracker:
     branches_this_step: list[str] = field(default_factory=list)
     current: StepCacheStats = field(default_factory=StepCacheStats)
     last: StepCacheStats | None = None
+    info_source: Callable[[], CallInfo] | None = None  # set per call by the policy
+    info: CallInfo | None = None  # what info_source said on the call's first step
+
+    def _info(self) -> CallInfo:
+        if self.info is None:
+            self.info = self.info_source() if self.info_source is not None else CallInfo()
+        return self.info
+
+    def span(self, model: str) -> tuple[int, int | None]:
+        """(first step, steps) of ``model``'s span in the current call: Wan 2.2's two experts split the schedule at
+        ``boundary_ratio`` (read from ``info_source`` on the call's first step, once the pipeline has set its
+        timesteps); with one transformer, or without a source, the whole schedule."""
+        found = (self._info().spans or {}).get(model)
+        return found if found is not None else (0, self.num_inference_steps)
+
+    @property
+    def guided(self) -> bool:
+        """Whether the current call runs classifier-free guidance (True when unknown)."""
+        return self._info().guided
 
     def advance(self, context_name: str | None, position: float) -> tuple[int, str]:
         """Number the call: a new timestep (or a branch seen twice at one timestep) starts a new step."""
@@ -179,4 +230,5 @@ class CallTracker:
         self.current = StepCacheStats(policy=self.policy)
         self.step, self.last_position, self.branches_this_step = -1, None, []
         self.first_position = self.step_size = None
+        self.info = None
         self.num_inference_steps = None  # the next call states its own (a stale count would misplace the last step)

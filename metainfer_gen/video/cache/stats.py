@@ -12,6 +12,8 @@ class StepRecord:
 
     Attributes:
         step: denoising step index (0-based, counted across Wan 2.2's two experts).
+        model_step: the step index within this transformer's span (equals ``step`` with one transformer; for Wan
+            2.2's low-noise expert it starts at 0 at the switch): warm-up, reuse cap and last step count in it.
         branch: cache context name ("cond", "uncond", "cond_uncond") or "branch<k>" when the pipeline sets none.
         model: which transformer ran it ("transformer" or "transformer_2").
         computed: True when all blocks ran; False when the cached residual was reused.
@@ -34,6 +36,7 @@ class StepRecord:
     extrapolated: bool = False
     change: float | None = None
     extrapolation_error: float | None = None
+    model_step: int | None = None
 
 
 @dataclass(slots=True)
@@ -62,11 +65,15 @@ class StepCacheStats:
         return sum(not record.computed for record in self.steps)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: the fields plus the computed/reused counts per branch."""
+        """JSON-ready: the fields plus the computed/reused counts per branch and per transformer (``per_model``:
+        Wan 2.2's two experts apart)."""
         per_branch: dict[str, dict[str, int]] = {}
+        per_model: dict[str, dict[str, int]] = {}
         for record in self.steps:
-            counts = per_branch.setdefault(record.branch, {"computed": 0, "reused": 0})
-            counts["computed" if record.computed else "reused"] += 1
+            for key, table in ((record.branch, per_branch), (record.model, per_model)):
+                counts = table.setdefault(key, {"computed": 0, "reused": 0})
+                counts["computed" if record.computed else "reused"] += 1
         data = asdict(self)
-        data.update(num_computed=self.num_computed, num_reused=self.num_reused, per_branch=per_branch)
+        data.update(num_computed=self.num_computed, num_reused=self.num_reused, per_branch=per_branch,
+                    per_model=per_model)
         return data
