@@ -29,10 +29,13 @@ class AttentionMetadata:
         query_offsets: flat index of each sequence's first new token, length num_seqs + 1 (Python ints).
         decode_rows: sequences with one new token, attended in one padded batch (the absorbed MLA path).
         decode_tokens: (num_decode,) flat token index of each decode row.
+        decode_block_tables: (num_decode, max_blocks) cache blocks of each decode row, -1 past its blocks.
+        decode_context_lens: (num_decode,) tokens each decode row attends to.
         decode_slots: (num_decode, max_context) cache slots of each decode row's context, 0 where padded.
         decode_valid: (num_decode, max_context) bool, True for real context entries.
         prefill_rows: sequences with several new tokens, attended one by one (the expanded MLA path).
         prefill_slots: per prefill row, (context_len,) cache slots of its whole context.
+        block_size: tokens per cache block.
     """
 
     positions: torch.Tensor
@@ -47,6 +50,9 @@ class AttentionMetadata:
     decode_valid: torch.Tensor
     prefill_rows: list[int]
     prefill_slots: list[torch.Tensor]
+    decode_block_tables: torch.Tensor
+    decode_context_lens: torch.Tensor
+    block_size: int
 
     @property
     def num_tokens(self) -> int:
@@ -82,7 +88,8 @@ class AttentionMetadata:
         rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
         lens = torch.tensor([context_lens[i] for i in decode_rows], dtype=torch.long, device=device)
         decode_valid = ctx_pos[None, :] < lens[:, None]
-        blocks = table[rows][:, (ctx_pos // block_size).clamp_max(table.shape[1] - 1)]
+        decode_tables = table[rows]
+        blocks = decode_tables[:, (ctx_pos // block_size).clamp_max(table.shape[1] - 1)]
         decode_slots = torch.where(decode_valid, blocks * block_size + ctx_pos % block_size, 0)
         prefill_slots = []
         for i in prefill_rows:
@@ -92,4 +99,5 @@ class AttentionMetadata:
                    context_lens=context_lens, query_offsets=offsets, decode_rows=decode_rows,
                    decode_tokens=torch.tensor([offsets[i] for i in decode_rows], dtype=torch.long, device=device),
                    decode_slots=decode_slots, decode_valid=decode_valid, prefill_rows=prefill_rows,
-                   prefill_slots=prefill_slots)
+                   prefill_slots=prefill_slots, decode_block_tables=decode_tables, decode_context_lens=lens,
+                   block_size=block_size)

@@ -110,7 +110,9 @@ def decode_metadata(buffers: DecodeBuffers, size: int, width: int, block_size: i
     return AttentionMetadata(positions=buffers.positions[:size], slot_mapping=buffers.slot_mapping[:size],
                              query_lens=[1] * size, starts=[], context_lens=[], query_offsets=list(range(size + 1)),
                              decode_rows=list(range(size)), decode_tokens=buffers.decode_tokens[:size],
-                             decode_slots=slots, decode_valid=valid, prefill_rows=[], prefill_slots=[])
+                             decode_slots=slots, decode_valid=valid, prefill_rows=[], prefill_slots=[],
+                             decode_block_tables=table, decode_context_lens=buffers.context_lens[:size],
+                             block_size=block_size)
 
 
 class StaticDecode:

@@ -1,0 +1,145 @@
+"""Triton paged MLA decode (flash-decoding): each program walks one split of a sequence's context in place.
+
+Grid ``(B, ceil(N / 16), splits)``: program (b, h, s) takes sequence b's query for 16 heads, reads the context
+positions of split s a tile of ``BLOCK_N`` tokens at a time straight from the paged cache (each position's block
+looked up in the block table, so any page size works), keeps FlashAttention's running max, sum and accumulator in
+float32, and writes its normalised partial output with its log-sum-exp. A decode batch is small, so the context is
+split to fill the GPU (flash-decoding, Dao et al. 2023; FlashMLA and vLLM's ``triton_decode_attention`` split the
+KV the same way); the partials merge by log-sum-exp in torch (a few ops on (B, N, splits) values). The split
+count comes from tensor shapes only (the table width, not the lengths), so a CUDA graph can capture the step.
+The tile configuration is sparse MLA's (:func:`metainfer_gen.kernels.sparse_attention.sparse_mla_config`): the
+same (16 heads x rows) tiles of ``[c_kv, k_pe]`` rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metainfer_gen import platform
+from metainfer_gen.kernels.common import (_max_combine, _sum_combine, contiguous_refusal, dtype_refusal,
+                                          first_refusal, lazy_triton_kernel, triton_refusal)
+from metainfer_gen.kernels.fp8_quant import FP8_DTYPE, fp8_arithmetic_refusal
+from metainfer_gen.kernels.launch import launch, target_arch
+from metainfer_gen.kernels.sparse_attention import sparse_mla_config
+
+__all__ = ["decode_splits", "paged_mla_decode_supports", "paged_mla_decode_triton"]
+
+TARGET_PROGRAMS = 264  # two waves of a 132-SM GPU (H100/H200); more splits only add merge work
+
+# Bound on the first kernel build (triton is imported lazily); kernels look names up in module globals.
+tl = triton = sum_combine = max_combine = None
+
+
+@lazy_triton_kernel
+def _kernel():
+    global tl, triton, sum_combine, max_combine  # kernels resolve names through module globals
+    import triton
+    import triton.language as tl
+
+    sum_combine, max_combine = _sum_combine(tl), _max_combine(tl)  # see common._sum_combine (interpreter)
+
+    @triton.jit
+    def paged_mla_decode_kernel(
+        q_ptr,  # (B, N, R + P) contiguous absorbed queries
+        kv_ptr,  # (S, row) flat cache rows, unit stride within a row, row stride stride_kv
+        table_ptr,  # (B, W) int64 block tables, contiguous
+        lens_ptr,  # (B,) int64 context lengths
+        out_ptr,  # (B, N, SPLITS, R) float32 partial outputs (normalised within the split)
+        lse_ptr,  # (B, N, SPLITS) float32 log-sum-exp of each split, -inf when it holds no token
+        N,
+        R,  # value / latent width (kv_lora_rank)
+        P,  # rope width (qk_rope_head_dim)
+        W,  # block-table width
+        stride_kv,
+        block_size,
+        tokens_per_split,
+        num_splits,
+        scale,
+        UPCAST: tl.constexpr,  # dot in float32 (interpreter, fp32 and fp8 inputs); else the q dtype
+        BLOCK_H: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        split = tl.program_id(2)
+        r = tl.arange(0, BLOCK_R)
+        p = tl.arange(0, BLOCK_P)
+        dot_dtype = tl.float32 if UPCAST else q_ptr.dtype.element_ty
+        q_base = q_ptr + b * N * (R + P) + h[:, None] * (R + P)
+        q_lat = tl.load(q_base + r[None, :], mask=(h[:, None] < N) & (r[None, :] < R), other=0.0).to(dot_dtype)
+        q_pe = tl.load(q_base + R + p[None, :], mask=(h[:, None] < N) & (p[None, :] < P), other=0.0).to(dot_dtype)
+        length = tl.load(lens_ptr + b)
+        begin = split * tokens_per_split
+        end = tl.minimum(begin + tokens_per_split, length)
+        m = tl.full((BLOCK_H,), -1.0e30, tl.float32)  # finite: a masked tile must not give inf - inf
+        denom = tl.full((BLOCK_H,), 0.0, tl.float32)
+        acc = tl.full((BLOCK_H, BLOCK_R), 0.0, tl.float32)
+        for start in range(begin, end, BLOCK_N):
+            t = start + tl.arange(0, BLOCK_N)
+            valid = t < end
+            block = tl.load(table_ptr + b * W + t // block_size, mask=valid, other=0)
+            row = kv_ptr + (block * block_size + t % block_size)[:, None] * stride_kv
+            c = tl.load(row + r[None, :], mask=valid[:, None] & (r[None, :] < R), other=0.0).to(dot_dtype)
+            pe = tl.load(row + R + p[None, :], mask=valid[:, None] & (p[None, :] < P), other=0.0).to(dot_dtype)
+            # ieee: float32 dots (UPCAST) must match the float32 reference, not tf32's 10-bit mantissa.
+            s = (tl.dot(q_lat, tl.trans(c), input_precision="ieee")
+                 + tl.dot(q_pe, tl.trans(pe), input_precision="ieee")) * scale  # (BLOCK_H, BLOCK_N) fp32
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.reduce(s, 1, max_combine))
+            alpha = tl.exp(m - m_new)
+            weights = tl.exp(s - m_new[:, None])
+            denom = denom * alpha + tl.reduce(weights, 1, sum_combine)
+            acc = acc * alpha[:, None] + tl.dot(weights.to(dot_dtype), c, input_precision="ieee")
+            m = m_new
+        seen = denom > 0
+        out = acc / tl.where(seen, denom, 1.0)[:, None]
+        part = (b * N + h) * num_splits + split  # (BLOCK_H,) index into (B, N, SPLITS)
+        tl.store(out_ptr + part[:, None] * R + r[None, :], out, mask=(h[:, None] < N) & (r[None, :] < R))
+        tl.store(lse_ptr + part, tl.where(seen, m + tl.log(tl.where(seen, denom, 1.0)), float("-inf")),
+                 mask=h < N)
+
+    return paged_mla_decode_kernel
+
+
+def decode_splits(batch: int, head_programs: int, width_tokens: int, tile: int) -> int:
+    """Splits of the context per (sequence, head group): enough programs for :data:`TARGET_PROGRAMS`, at least
+    four tiles of ``tile`` tokens per split, at least 1."""
+    wanted = -(-TARGET_PROGRAMS // max(1, batch * head_programs))
+    return max(1, min(wanted, width_tokens // (4 * tile)))
+
+
+def paged_mla_decode_triton(q: torch.Tensor, kv_rows: torch.Tensor, block_tables: torch.Tensor,
+                            context_lens: torch.Tensor, block_size: int, value_dim: int,
+                            scale: float) -> torch.Tensor:
+    """Same arguments and result as :func:`metainfer_gen.kernels.paged_mla.paged_mla_decode`."""
+    batch, heads, dk = q.shape
+    if batch == 0:
+        return q.new_empty(0, heads, value_dim)
+    upcast = platform.triton_interpret_requested() or q.dtype == torch.float32 or kv_rows.dtype == FP8_DTYPE
+    meta = sparse_mla_config(value_dim, dk - value_dim, upcast, target_arch(q.device))
+    head_programs = -(-heads // meta["BLOCK_H"])
+    width = block_tables.shape[1]
+    splits = decode_splits(batch, head_programs, width * block_size, meta["BLOCK_N"])
+    per_split = -(-(-(-width * block_size // splits)) // meta["BLOCK_N"]) * meta["BLOCK_N"]
+    partial = torch.empty(batch, heads, splits, value_dim, device=q.device, dtype=torch.float32)
+    lse = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
+    launch(_kernel(), (batch, head_programs, splits),
+           q, kv_rows, block_tables, context_lens, partial, lse, heads, value_dim, dk - value_dim, width,
+           kv_rows.stride(0), block_size, per_split, splits, float(scale), UPCAST=upcast, **meta)
+    weights = torch.softmax(lse, dim=-1)  # exp(lse_s - logsumexp over splits); empty splits weigh 0
+    return (partial * weights[..., None]).sum(2).to(q.dtype)
+
+
+def paged_mla_decode_supports(q, kv_rows, block_tables, context_lens, block_size, value_dim, scale) -> str | None:
+    """None when the Triton kernel applies, else why not."""
+    return first_refusal(
+        triton_refusal(q, kv_rows, block_tables, context_lens),
+        dtype_refusal("q", q),
+        contiguous_refusal("q", q), contiguous_refusal("block_tables", block_tables),
+        contiguous_refusal("context_lens", context_lens),
+        None if kv_rows.stride(-1) == 1 else f"cache rows are strided (stride {tuple(kv_rows.stride())})",
+        None if value_dim <= 1024 else f"kv_lora_rank {value_dim} over 1024: the accumulator would spill",
+        fp8_arithmetic_refusal(kv_rows) if kv_rows.dtype == FP8_DTYPE else None,
+    )
