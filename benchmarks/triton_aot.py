@@ -88,6 +88,11 @@ def cases() -> list[Case]:
         add("sparse_mla", f"V3 128 heads, 512+64, top-k 2048, {str(dtype)[6:]}",
             lambda dtype=dtype: _impl("sparse_mla")(_t(tokens, 128, 576, dtype=dtype), _t(32768, 576, dtype=dtype),
                                                     _t(tokens, 2048, dtype=torch.int64), 512, 192 ** -0.5))
+    for dtype in (BF16, FP32):
+        add("paged_mla_decode", f"V3 128 heads, 512+64, 16 decodes x 32K, page 64, {str(dtype)[6:]}",
+            lambda dtype=dtype: _impl("paged_mla_decode")(
+                _t(16, 128, 576, dtype=dtype), _t(8192 * 64, 576, dtype=dtype), _t(16, 512, dtype=torch.int64),
+                _t(16, dtype=torch.int64), 64, 512, 192 ** -0.5))
     return c
 
 

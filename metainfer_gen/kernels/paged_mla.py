@@ -25,9 +25,9 @@ from metainfer_gen.kernels.sparse_attention import gather_rows
 
 __all__ = ["DECODE_GROUP_ROWS", "paged_mla_decode", "paged_mla_decode_blocks", "paged_mla_decode_reference"]
 
-# Context rows the torch path gathers per group of blocks, over the whole batch (2^14 rows of 576 float32 values =
-# 36 MiB). Smaller groups pad less (a sequence wastes at most one group) but cost more ops per layer; at the
-# serving benchmark's 64 decodes of 64-544 tokens 128-token groups were the fastest.
+# Context rows the torch path gathers per group of blocks, over the whole batch (2^13 rows of 576 float32 values =
+# 18 MiB). Smaller groups pad less (a sequence wastes at most one group) but cost more ops per layer. The
+# planner's memory formula reads the same number (metainfer_gen.llm.attention_chunks; a test checks they agree).
 DECODE_GROUP_ROWS = 1 << 13
 
 
@@ -102,6 +102,7 @@ def paged_mla_decode_blocks(q: torch.Tensor, kv_rows: torch.Tensor, block_tables
         acc[:rows] = acc[:rows] * alpha[..., None] + torch.matmul(probs.to(context.dtype),
                                                                   context[..., :value_dim]).float()
         m[:rows] = m_new
+        del context, scores, probs  # before the next group's gather: one group's rows alive at a time
     out = (acc / denom[..., None]).to(q.dtype)
     if order is None:
         return out
@@ -109,7 +110,7 @@ def paged_mla_decode_blocks(q: torch.Tensor, kv_rows: torch.Tensor, block_tables
 
 
 def _example(device: str, dtype: torch.dtype):
-    batch, heads, block, blocks = 16, 16, 64, 512  # 16 decodes, 16 heads per rank, up to 32K tokens each
+    batch, heads, block, blocks = 8, 16, 64, 64  # 8 decodes, 16 heads per rank, up to 4K tokens each
     q = torch.randn(batch, heads, 576, device=device, dtype=dtype)
     rows = torch.randn(batch * blocks * block, 576, device=device, dtype=dtype)
     tables = torch.randperm(batch * blocks, device=device).view(batch, blocks)

@@ -7,8 +7,8 @@ float32, and writes its normalised partial output with its log-sum-exp. A decode
 split to fill the GPU (flash-decoding, Dao et al. 2023; FlashMLA and vLLM's ``triton_decode_attention`` split the
 KV the same way); the partials merge by log-sum-exp in torch (a few ops on (B, N, splits) values). The split
 count comes from tensor shapes only (the table width, not the lengths), so a CUDA graph can capture the step.
-The tile configuration is sparse MLA's (:func:`metainfer_gen.kernels.sparse_attention.sparse_mla_config`): the
-same (16 heads x rows) tiles of ``[c_kv, k_pe]`` rows.
+The tile is sparse MLA's (16 heads x rows of ``[c_kv, k_pe]``, the same online-softmax step,
+:func:`metainfer_gen.kernels.sparse_attention.attend_rows_fn`), at 16 rows (:func:`paged_mla_decode_config`).
 """
 
 from __future__ import annotations
@@ -16,27 +16,27 @@ from __future__ import annotations
 import torch
 
 from metainfer_gen import platform
-from metainfer_gen.kernels.common import (_max_combine, _sum_combine, contiguous_refusal, dtype_refusal,
-                                          first_refusal, lazy_triton_kernel, triton_refusal)
+from metainfer_gen.kernels.common import (contiguous_refusal, dtype_refusal, first_refusal, lazy_triton_kernel,
+                                          triton_refusal)
 from metainfer_gen.kernels.fp8_quant import FP8_DTYPE, fp8_arithmetic_refusal
 from metainfer_gen.kernels.launch import launch, target_arch
-from metainfer_gen.kernels.sparse_attention import sparse_mla_config
+from metainfer_gen.kernels.sparse_attention import attend_rows_fn, sparse_mla_config
 
-__all__ = ["decode_splits", "paged_mla_decode_supports", "paged_mla_decode_triton"]
+__all__ = ["decode_splits", "paged_mla_decode_config", "paged_mla_decode_supports", "paged_mla_decode_triton"]
 
 TARGET_PROGRAMS = 264  # two waves of a 132-SM GPU (H100/H200); more splits only add merge work
 
 # Bound on the first kernel build (triton is imported lazily); kernels look names up in module globals.
-tl = triton = sum_combine = max_combine = None
+tl = triton = attend_rows = None
 
 
 @lazy_triton_kernel
 def _kernel():
-    global tl, triton, sum_combine, max_combine  # kernels resolve names through module globals
+    global tl, triton, attend_rows  # kernels resolve names through module globals
     import triton
     import triton.language as tl
 
-    sum_combine, max_combine = _sum_combine(tl), _max_combine(tl)  # see common._sum_combine (interpreter)
+    attend_rows = attend_rows_fn()  # the online-softmax step over a tile of rows, shared with sparse MLA
 
     @triton.jit
     def paged_mla_decode_kernel(
@@ -80,19 +80,8 @@ def _kernel():
             t = start + tl.arange(0, BLOCK_N)
             valid = t < end
             block = tl.load(table_ptr + b * W + t // block_size, mask=valid, other=0)
-            row = kv_ptr + (block * block_size + t % block_size)[:, None] * stride_kv
-            c = tl.load(row + r[None, :], mask=valid[:, None] & (r[None, :] < R), other=0.0).to(dot_dtype)
-            pe = tl.load(row + R + p[None, :], mask=valid[:, None] & (p[None, :] < P), other=0.0).to(dot_dtype)
-            # ieee: float32 dots (UPCAST) must match the float32 reference, not tf32's 10-bit mantissa.
-            s = (tl.dot(q_lat, tl.trans(c), input_precision="ieee")
-                 + tl.dot(q_pe, tl.trans(pe), input_precision="ieee")) * scale  # (BLOCK_H, BLOCK_N) fp32
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.reduce(s, 1, max_combine))
-            alpha = tl.exp(m - m_new)
-            weights = tl.exp(s - m_new[:, None])
-            denom = denom * alpha + tl.reduce(weights, 1, sum_combine)
-            acc = acc * alpha[:, None] + tl.dot(weights.to(dot_dtype), c, input_precision="ieee")
-            m = m_new
+            m, denom, acc = attend_rows(q_lat, q_pe, kv_ptr, block * block_size + t % block_size, valid, m, denom,
+                                        acc, R, P, stride_kv, scale, BLOCK_R, BLOCK_P)
         seen = denom > 0
         out = acc / tl.where(seen, denom, 1.0)[:, None]
         part = (b * N + h) * num_splits + split  # (BLOCK_H,) index into (B, N, SPLITS)
@@ -101,6 +90,13 @@ def _kernel():
                  mask=h < N)
 
     return paged_mla_decode_kernel
+
+
+def paged_mla_decode_config(value_dim: int, rope_dim: int, upcast: bool, arch: int | None) -> dict:
+    """Sparse MLA's tiles (:func:`~metainfer_gen.kernels.sparse_attention.sparse_mla_config`) with 16 rows per
+    tile in every dtype: the block-table lookup per position costs registers, and DeepSeek-V3's bf16 tile of 32 rows
+    on 8 warps took 255 registers and spilled 220-604 B on sm_80-sm_120, where 16 rows take 193-208 and none."""
+    return {**sparse_mla_config(value_dim, rope_dim, upcast, arch), "BLOCK_N": 16}
 
 
 def decode_splits(batch: int, head_programs: int, width_tokens: int, tile: int) -> int:
@@ -118,7 +114,7 @@ def paged_mla_decode_triton(q: torch.Tensor, kv_rows: torch.Tensor, block_tables
     if batch == 0:
         return q.new_empty(0, heads, value_dim)
     upcast = platform.triton_interpret_requested() or q.dtype == torch.float32 or kv_rows.dtype == FP8_DTYPE
-    meta = sparse_mla_config(value_dim, dk - value_dim, upcast, target_arch(q.device))
+    meta = paged_mla_decode_config(value_dim, dk - value_dim, upcast, target_arch(q.device))
     head_programs = -(-heads // meta["BLOCK_H"])
     width = block_tables.shape[1]
     splits = decode_splits(batch, head_programs, width * block_size, meta["BLOCK_N"])

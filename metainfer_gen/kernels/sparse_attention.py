@@ -51,11 +51,13 @@ def sparse_mla_reference(q: torch.Tensor, kv_rows: torch.Tensor, indices: torch.
 
 
 # Bound on the first kernel build (triton is imported lazily); kernels look names up in module globals.
-tl = triton = sum_combine = max_combine = None
+tl = triton = sum_combine = max_combine = attend_rows = None
 
 
 @lazy_triton_kernel
-def _kernel():
+def attend_rows_fn():
+    """The ``@triton.jit`` online-softmax step over one tile of latent rows, shared by this kernel and the paged
+    decode kernel (:mod:`metainfer_gen.kernels.paged_mla_triton`)."""
     global tl, triton, sum_combine, max_combine  # kernels resolve names through module globals
     import triton
     import triton.language as tl
@@ -63,6 +65,36 @@ def _kernel():
     # tl.max / tl.sum / tl.cdiv / tl.zeros are @triton.jit helpers the interpreter refuses to call when triton was
     # imported before TRITON_INTERPRET was set (see common._sum_combine): reduce with combine functions instead.
     sum_combine, max_combine = _sum_combine(tl), _max_combine(tl)
+
+    @triton.jit
+    def attend_rows(q_lat, q_pe, kv_ptr, slot, valid, m, denom, acc, R, P, stride_kv, scale,
+                    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+        """(q_lat (H, BLOCK_R), q_pe (H, BLOCK_P)) in the dot dtype over the rows at ``slot`` (BLOCK_N,) where
+        ``valid``; returns the updated running max (H,), sum (H,) and float32 accumulator (H, BLOCK_R)."""
+        r = tl.arange(0, BLOCK_R)
+        p = tl.arange(0, BLOCK_P)
+        row = kv_ptr + slot[:, None] * stride_kv
+        c = tl.load(row + r[None, :], mask=valid[:, None] & (r[None, :] < R), other=0.0).to(q_lat.dtype)
+        pe = tl.load(row + R + p[None, :], mask=valid[:, None] & (p[None, :] < P), other=0.0).to(q_lat.dtype)
+        # ieee: float32 dots (UPCAST) must match the float32 reference, not tf32's 10-bit mantissa; bf16 and
+        # fp16 dots are unaffected by the precision argument.
+        s = (tl.dot(q_lat, tl.trans(c), input_precision="ieee")
+             + tl.dot(q_pe, tl.trans(pe), input_precision="ieee")) * scale  # (H, BLOCK_N) fp32
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.reduce(s, 1, max_combine))
+        alpha = tl.exp(m - m_new)
+        weights = tl.exp(s - m_new[:, None])
+        denom = denom * alpha + tl.reduce(weights, 1, sum_combine)
+        acc = acc * alpha[:, None] + tl.dot(weights.to(q_lat.dtype), c, input_precision="ieee")
+        return m_new, denom, acc
+
+    return attend_rows
+
+
+@lazy_triton_kernel
+def _kernel():
+    global attend_rows  # kernels resolve names through module globals
+    attend_rows = attend_rows_fn()
 
     @triton.jit
     def sparse_mla_kernel(
@@ -97,20 +129,8 @@ def _kernel():
             j = start + tl.arange(0, BLOCK_N)
             slot = tl.load(idx_ptr + t * K + j, mask=j < K, other=-1)
             valid = slot >= 0
-            row = kv_ptr + tl.maximum(slot, 0)[:, None] * stride_kv
-            c = tl.load(row + r[None, :], mask=valid[:, None] & (r[None, :] < R), other=0.0).to(dot_dtype)
-            pe = tl.load(row + R + p[None, :], mask=valid[:, None] & (p[None, :] < P), other=0.0).to(dot_dtype)
-            # ieee: float32 dots (UPCAST) must match the float32 reference, not tf32's 10-bit mantissa; bf16 and
-            # fp16 dots are unaffected by the precision argument.
-            s = (tl.dot(q_lat, tl.trans(c), input_precision="ieee")
-                 + tl.dot(q_pe, tl.trans(pe), input_precision="ieee")) * scale  # (BLOCK_H, BLOCK_N) fp32
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.reduce(s, 1, max_combine))
-            alpha = tl.exp(m - m_new)
-            weights = tl.exp(s - m_new[:, None])
-            denom = denom * alpha + tl.reduce(weights, 1, sum_combine)
-            acc = acc * alpha[:, None] + tl.dot(weights.to(dot_dtype), c, input_precision="ieee")
-            m = m_new
+            m, denom, acc = attend_rows(q_lat, q_pe, kv_ptr, tl.maximum(slot, 0), valid, m, denom, acc, R, P,
+                                        stride_kv, scale, BLOCK_R, BLOCK_P)
         out = acc / denom[:, None]
         tl.store(out_ptr + t * N * R + h[:, None] * R + r[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=(h[:, None] < N) & (r[None, :] < R))

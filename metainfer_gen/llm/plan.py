@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from metainfer_gen.llm.plan_model import (WEIGHT_FORMATS, ModelDims, kv_bytes_per_token, prefill_activation_bytes,
+from metainfer_gen.llm.plan_activations import prefill_activation_bytes
+from metainfer_gen.llm.plan_model import (WEIGHT_FORMATS, ModelDims, kv_bytes_per_token,
                                           weight_bytes_per_rank)
 
 GIB = 2**30

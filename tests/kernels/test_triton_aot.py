@@ -83,6 +83,8 @@ def _fp32_dot_launches():
     mq, rows = torch.empty(2, 16, 96, **f32), torch.empty(64, 96, **f32)
     idx = torch.empty(2, 32, device=META, dtype=torch.int64)
     yield "sparse_mla", lambda: _impl("sparse_mla")(mq, rows, idx, 64, 0.1)
+    tables, lens = torch.empty(2, 4, device=META, dtype=torch.int64), torch.empty(2, device=META, dtype=torch.int64)
+    yield "paged_mla_decode", lambda: _impl("paged_mla_decode")(mq, rows, tables, lens, 16, 64, 0.1)
 
 
 @pytest.mark.parametrize("op,run", list(_fp32_dot_launches()), ids=lambda v: v if isinstance(v, str) else "")

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import DeepseekV3Config
 
+from metainfer_gen.llm import attention_chunks
 from metainfer_gen.llm.layers import mla_prefill
 from metainfer_gen.llm.layers.mla import MLAttention
 
@@ -46,17 +47,25 @@ def test_blocks_match_whole_context(attn, start, n, chunk, form):
     q_nope, q_pe = torch.randn(n, 4, 16), torch.randn(n, 4, 8)
     expected = _whole_context(attn, q_nope, q_pe, rows[slots], start)
     fn = mla_prefill._expanded if form == "expanded" else mla_prefill._absorbed
-    out = fn(attn, q_nope, q_pe, rows, slots, start, chunk or mla_prefill.key_chunk(4, n))
+    out = fn(attn, q_nope, q_pe, rows, slots, start, chunk or attention_chunks.key_chunk(4, n))
     tol = 1e-5 if form == "expanded" else 2e-5
     torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
 
 
 def test_form_follows_the_multiply_adds(attn):
     # r (dn + dv) / (2r - dn - dv) = 32 * 32 / 32 = 32 queries is the break-even for these dims.
-    assert mla_prefill.absorbed_is_cheaper(attn, 31) and not mla_prefill.absorbed_is_cheaper(attn, 33)
+    dims = attn.kv_lora_rank, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim
+    assert attention_chunks.absorbed_is_cheaper(*dims, 31) and not attention_chunks.absorbed_is_cheaper(*dims, 33)
 
 
 def test_key_chunk_bounds_the_scores():
-    assert mla_prefill.key_chunk(16, 2048) == 256  # the floor: 2^22 / (16 x 2048) = 128
-    assert mla_prefill.key_chunk(8, 64) == 8192
-    assert 8 * 300 * mla_prefill.key_chunk(8, 300) <= mla_prefill.PREFILL_SCORE_BUDGET
+    assert attention_chunks.key_chunk(16, 2048) == 256  # the floor: 2^22 / (16 x 2048) = 128
+    assert attention_chunks.key_chunk(8, 64) == 8192
+    assert 8 * 300 * attention_chunks.key_chunk(8, 300) <= attention_chunks.PREFILL_SCORE_BUDGET
+
+
+def test_planner_reads_the_kernels_decode_group():
+    from metainfer_gen.kernels import paged_mla
+
+    assert attention_chunks.DECODE_GROUP_ROWS == paged_mla.DECODE_GROUP_ROWS
+    assert attention_chunks.decode_group_tokens(16, 16) == 512 and attention_chunks.decode_group_tokens(1024, 16) == 16

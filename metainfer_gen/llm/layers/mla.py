@@ -112,7 +112,8 @@ class MLAttention(nn.Module):
                       meta: AttentionMetadata) -> torch.Tensor:
         """Every query over its whole causal context, a group of cache blocks at a time: decode rows absorbed in
         one batch (:func:`metainfer_gen.kernels.paged_mla_decode`), prefill rows one by one in the cheaper form
-        (:func:`~metainfer_gen.llm.layers.mla_prefill.prefill_attention`); cache_rows (num_slots, row) -> (T, N * dv)."""
+        (:func:`~metainfer_gen.llm.layers.mla_prefill.prefill_attention`);
+        cache_rows (num_slots, row) -> (T, N * dv)."""
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_head_dim)
         if meta.decode_rows:
             tokens = meta.decode_tokens

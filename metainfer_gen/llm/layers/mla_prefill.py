@@ -2,14 +2,14 @@
 
 The queries of one prefill row (n tokens at positions ``start .. start + n - 1``) attend causally to the
 ``start + n`` rows of the sequence's paged latent cache. The context is read in chunks of at most
-:func:`key_chunk` rows through the sequence's slots and joined by log-sum-exp
+:func:`~metainfer_gen.llm.attention_chunks.key_chunk` rows through the sequence's slots and joined by log-sum-exp
 (:class:`~metainfer_gen.llm.layers.online_softmax.LSEMerge`), so memory per step grows with n x chunk, not with
 n x context (FlashAttention's outer loop over key blocks; vLLM's chunked-context MLA prefill,
 ``MLACommonImpl._compute_prefill_context``, also walks the cached context in chunks and merges by log-sum-exp).
 
 Per chunk the queries split in two: those that see every key of the chunk (unmasked, the fast case of the fused
 CPU kernel) and the diagonal, which gets a causal mask. Two forms, picked per row by their multiply-adds
-(:func:`absorbed_is_cheaper`):
+(:func:`~metainfer_gen.llm.attention_chunks.absorbed_is_cheaper`):
 
 - expanded: ``kv_b_proj`` turns each chunk's latents into per-head ``k_nope`` and ``v``; ordinary attention with
   keys ``[k_nope, k_pe]`` (PyTorch's fused CPU flash kernel where it applies). The expansion costs
@@ -24,26 +24,10 @@ from __future__ import annotations
 import torch
 
 from metainfer_gen.kernels.sparse_attention import gather_rows
+from metainfer_gen.llm.attention_chunks import absorbed_is_cheaper, key_chunk
 from metainfer_gen.llm.layers.online_softmax import LSEMerge, block_attention, softmax_parts
 
-__all__ = ["PREFILL_SCORE_BUDGET", "absorbed_is_cheaper", "key_chunk", "prefill_attention"]
-
-# float32 scores (heads x queries x keys) one chunk may hold: 2^22 = 16 MiB; the fused kernel holds far less.
-PREFILL_SCORE_BUDGET = 1 << 22
-MIN_KEY_CHUNK = 256  # fewer keys per chunk cost more in per-call overhead than they save in memory
-
-
-def key_chunk(num_heads: int, num_queries: int, budget: int = PREFILL_SCORE_BUDGET) -> int:
-    """Context rows per chunk for ``num_queries`` queries of ``num_heads`` heads: the most whose float32 scores fit
-    ``budget`` elements, at least :data:`MIN_KEY_CHUNK`; a multiple of 64."""
-    return max(MIN_KEY_CHUNK, budget // max(1, num_heads * num_queries) // 64 * 64)
-
-
-def absorbed_is_cheaper(attn, num_queries: int) -> bool:
-    """True when the absorbed form takes fewer multiply-adds than the expanded one for ``num_queries`` queries:
-    ``n (2r + dr) < r (dn + dv) + n (dn + dr + dv)`` per head and context row (shared factors cancel)."""
-    r, dn, dr, dv = attn.kv_lora_rank, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim
-    return num_queries * (2 * r + dr) < r * (dn + dv) + num_queries * (dn + dr + dv)
+__all__ = ["prefill_attention"]
 
 
 def _parts(start: int, num_queries: int, first: int, last: int):
@@ -69,13 +53,13 @@ def prefill_attention(attn, q_nope: torch.Tensor, q_pe: torch.Tensor, cache_rows
         cache_rows: (num_slots, row) flat view of the layer's paged cache (the new rows already stored).
         slots: (start + n,) int64 cache slots of the sequence's tokens in position order.
         start: tokens cached before this row.
-        chunk: context rows per chunk (None: :func:`key_chunk`).
+        chunk: context rows per chunk (None: :func:`~metainfer_gen.llm.attention_chunks.key_chunk`).
     Returns:
         (n, N, dv) in q_nope's dtype.
     """
     n = q_nope.shape[0]
     chunk = chunk or key_chunk(attn.num_heads, n)
-    if absorbed_is_cheaper(attn, n):
+    if absorbed_is_cheaper(attn.kv_lora_rank, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim, n):
         return _absorbed(attn, q_nope, q_pe, cache_rows, slots, start, chunk)
     return _expanded(attn, q_nope, q_pe, cache_rows, slots, start, chunk)
 
