@@ -80,9 +80,9 @@ def paged_mla_decode_blocks(q: torch.Tensor, kv_rows: torch.Tensor, block_tables
         slots = _slots(block_tables, block_size, 0, num_blocks)
         return _masked_softmax_value(q, gather_rows(kv_rows, slots), context_lens, 0, scale,
                                      value_dim).to(q.dtype)
-    if order is not None:
-        index = torch.tensor(order, device=q.device)
-        q, block_tables, context_lens = q[index], block_tables[index], context_lens[index]
+    index = None if order is None else torch.tensor(order, device=q.device)
+    if index is not None:  # the block table is read a group of columns at a time, in this order
+        q, context_lens = q[index], context_lens[index]
     dk = q.shape[-1]
     m = torch.full((batch, q.shape[1]), float("-inf"), device=q.device)  # running max (B, N)
     denom = torch.zeros_like(m)
@@ -90,7 +90,8 @@ def paged_mla_decode_blocks(q: torch.Tensor, kv_rows: torch.Tensor, block_tables
     for first in range(0, num_blocks, group):
         last = min(first + group, num_blocks)
         rows = batch if ends is None else sum(e > first for e in ends)  # sorted: the active rows are a prefix
-        context = gather_rows(kv_rows, _slots(block_tables[:rows], block_size, first, last))[..., :dk].to(q.dtype)
+        table = block_tables[:, first:last] if index is None else block_tables[index[:rows], first:last]
+        context = gather_rows(kv_rows, _slots(table, block_size, 0, last - first))[..., :dk].to(q.dtype)
         scores = torch.matmul(q[:rows], context.transpose(1, 2)).float() * scale  # (b, N, g)
         if sorted_lens is None or sorted_lens[rows - 1] < last * block_size:  # a row ends inside the group
             pos = torch.arange(first * block_size, last * block_size, device=q.device)
@@ -104,7 +105,7 @@ def paged_mla_decode_blocks(q: torch.Tensor, kv_rows: torch.Tensor, block_tables
         m[:rows] = m_new
         del context, scores, probs  # before the next group's gather: one group's rows alive at a time
     out = (acc / denom[..., None]).to(q.dtype)
-    if order is None:
+    if index is None:
         return out
     return torch.empty_like(out).index_copy_(0, index, out)
 

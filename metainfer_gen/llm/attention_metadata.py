@@ -91,7 +91,9 @@ class AttentionMetadata:
         max_ctx = max((context_lens[i] for i in decode_rows), default=1)
         rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
         lens = torch.tensor([context_lens[i] for i in decode_rows], dtype=torch.long, device=device)
-        decode_tables = table[rows, : -(-max_ctx // block_size)]
+        width = -(-max_ctx // block_size)
+        # a pure decode step reads the whole table as it is (a view); a mixed one copies its decode rows
+        decode_tables = table[:, :width] if len(decode_rows) == num_seqs else table[rows, :width]
         prefill_slots = []
         for i in prefill_rows:
             pos = torch.arange(context_lens[i], device=device)
