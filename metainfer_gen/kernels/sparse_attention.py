@@ -23,7 +23,7 @@ from metainfer_gen.kernels.fp8_quant import FP8_DTYPE, fp8_arithmetic_refusal
 from metainfer_gen.kernels.launch import launch, target_arch
 from metainfer_gen.kernels.registry import Op, register_op
 
-__all__ = ["gather_rows", "sparse_mla", "sparse_mla_reference"]
+__all__ = ["SPARSE_BLOCK_ROWS", "gather_rows", "sparse_mla", "sparse_mla_blocks", "sparse_mla_reference"]
 
 
 def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -48,6 +48,25 @@ def sparse_mla_reference(q: torch.Tensor, kv_rows: torch.Tensor, indices: torch.
     scores = (scores.float() * scale).masked_fill((indices < 0)[:, None, :], float("-inf"))
     probs = scores.softmax(-1).to(context.dtype)
     return torch.matmul(probs, context[..., :value_dim])
+
+
+# Selected rows the blockwise torch path gathers at once (queries x top-k): 2^16 rows of 576 float32 values = 144 MiB;
+# the whole (T, K) gather of a 2K-token V3.2 prefill chunk at top-k 2048 would be 4M rows (4.5 GiB in bf16).
+SPARSE_BLOCK_ROWS = 1 << 16
+
+
+def sparse_mla_blocks(q: torch.Tensor, kv_rows: torch.Tensor, indices: torch.Tensor, value_dim: int, scale: float,
+                      block_rows: int = SPARSE_BLOCK_ROWS) -> torch.Tensor:
+    """:func:`sparse_mla_reference` a tile of queries at a time, so at most ``block_rows`` selected rows (and their
+    scores) are gathered at once; same arguments and result. Every query sees all its K rows in one softmax, so the
+    values equal the reference's."""
+    tile = max(1, block_rows // max(1, indices.shape[1]))
+    if q.shape[0] <= tile:
+        return sparse_mla_reference(q, kv_rows, indices, value_dim, scale)
+    out = q.new_empty(q.shape[0], q.shape[1], value_dim)
+    for lo in range(0, q.shape[0], tile):
+        out[lo:lo + tile] = sparse_mla_reference(q[lo:lo + tile], kv_rows, indices[lo:lo + tile], value_dim, scale)
+    return out
 
 
 # Bound on the first kernel build (triton is imported lazily); kernels look names up in module globals.
@@ -191,6 +210,8 @@ SPARSE_MLA = register_op(Op("sparse_mla", "absorbed MLA over indexer-selected la
                             _example))
 SPARSE_MLA.register("triton", sparse_mla_triton, _triton_supports,
                     description="one program per (token, 16 heads), online softmax over 32-row blocks")
+SPARSE_MLA.register("torch-blocks", sparse_mla_blocks,
+                    description=f"the reference a tile of queries at a time, at most {SPARSE_BLOCK_ROWS} rows gathered")
 SPARSE_MLA.register("torch", sparse_mla_reference, description="gather the selected rows, masked softmax")
 
 

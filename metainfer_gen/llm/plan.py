@@ -11,6 +11,8 @@ Layouts (N devices, all of them used in both phases; a rank's weights are the un
 - decode (tp = N, dcp): heads and experts split over all ranks; every sequence's KV rows are sharded over ``dcp``
   ranks of the group (vLLM's decode context parallelism: MLA's latent row is otherwise replicated on every
   tensor-parallel rank, so TP alone never shrinks KV per rank).
+- what the engine runs (bf16/FP8 weights, TP over all devices, CP 1, DCP 1) is the plan; the best other layout is
+  reported beside it as "not built", with what the engine lacks for it (:data:`NOT_BUILT`).
 - the single global setting it is compared with: tp = N in both phases, latent replicated, bf16 KV, and a static
   memory fraction of 0.90 (vLLM's ``gpu_memory_utilization`` default) instead of a measured reserve.
 
@@ -277,7 +279,7 @@ def format_plan(plan: dict) -> str:
     lines += ["", f"prefill: {p['reasons']['prefill']}", f"decode: {p['reasons']['decode']}"]
     if plan["not_built"]:
         nb = plan["not_built"]
-        lines += ["", f"not built ({nb['weight_format']} weights; the engine does not run it yet): "
+        lines += ["", f"not built ({nb['weight_format']} weights), what the engine lacks for it: "
                   + "; ".join(nb["not_built"]), f"  prefill: {nb['reasons']['prefill']}",
                   f"  decode: {nb['reasons']['decode']}"]
     return "\n".join(lines)

@@ -19,10 +19,10 @@ ATTENTION_MODES = ("blockwise", "fused", "materialised")
 
 
 def _projections(d: ModelDims, n: float, heads: float) -> float:
-    """Values alive per layer for n new tokens besides attention's context: q, latents, rope outputs, per-head
-    output (and the indexer's queries)."""
+    """Values alive per layer for n new tokens while attention runs: q, the rotated q_pe, the cache row, the
+    per-head output (and the indexer's queries)."""
     qk = d.qk_nope + d.qk_rope
-    values = n * (heads * (qk + d.qk_rope + d.v_head) + 3 * d.latent_row + d.kv_lora_rank)
+    values = n * (heads * (qk + d.qk_rope + d.v_head) + d.latent_row)
     return values + (n * d.index_n_heads * d.index_head_dim if d.index_head_dim else 0)
 
 
@@ -65,17 +65,19 @@ def prefill_activation_bytes(d: ModelDims, num_tokens: int, context: int, attn_t
         attn += n * context * 4  # the indexer's (n, context) float32 scores
     if attention == "blockwise":
         chunk = min(context, key_chunk(round(heads), n))
-        masked = min(n, chunk)  # queries on the diagonal of a chunk get a mask (bool + additive bias)
+        masked = min(n, chunk)  # queries on the diagonal of a chunk get a bool mask in the absorbed form
         if absorbed_is_cheaper(d.kv_lora_rank, d.qk_nope, d.qk_rope, d.v_head, n):
             # absorbed queries (n, N, r + dr) and their latent part; per chunk the latent rows, the scores in
             # the model dtype, scaled, masked and exponentiated in float32.
             attn += b * (2 * n * heads * (d.latent_row) + chunk * d.latent_row) + \
                 n * heads * chunk * (b + 12) + masked * chunk
         else:
-            # per chunk: latent rows, their expansion (k_nope, v), keys [k_nope, k_pe], the kernel's padded q, k, v
-            # and output; the mask and its bias; the merge state (float32 output and log-sum-exp).
-            attn += b * (chunk * (d.latent_row + heads * (d.qk_nope + d.v_head) + heads * dq + 2 * heads * width)
-                         + n * heads * (dq + 2 * width)) + masked * chunk * (b + 1) + 4 * n * heads * (d.v_head + 1)
+            # per chunk: latent rows and their expansion (k_nope, v) (keys [k_nope, k_pe] and the kernel's padded
+            # values come and go within it); per query the queries [q_nope, q_pe], their padded copy, the kernel's
+            # output and its slice (the diagonal uses the kernel's own causal mask); past one chunk the merge state.
+            # Coefficients checked against the engine's tracker on the test models (tests/llm/test_kv_sizing.py).
+            attn += b * (chunk * (d.latent_row + heads * (d.qk_nope + d.v_head)) + 2 * n * heads * (dq + width)) \
+                + (4 * n * heads * (d.v_head + 1) if chunk < context else 0)
     else:
         attn += b * context * (d.latent_row + heads * (2 * d.qk_nope + d.v_head))
         if attention == "materialised":
