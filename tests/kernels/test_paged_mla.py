@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from metainfer_gen.kernels import paged_mla, paged_mla_triton
-from tests.kernels.conftest import assert_close
+from tests.kernels.conftest import assert_close, requires_cuda
 
 
 def _inputs(block_size: int, lens=(1, 17, 300, 64, 250), heads=20, rank=32, rope=16, dtype=torch.float32):
@@ -80,3 +80,14 @@ def test_splits_fill_the_gpu_and_never_exceed_the_context():
     assert paged_mla_triton.decode_splits(1, 8, 32768, 16) == 33  # 264 programs over 8 head groups
     assert paged_mla_triton.decode_splits(64, 8, 32768, 16) == 1
     assert paged_mla_triton.decode_splits(1, 1, 64, 16) == 1  # at least four tiles per split
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_on_cuda_at_deepseek_width(dtype):
+    """The compiled kernel (not the interpreter) at V3's 512 + 64 latent, 128 heads, page 64, with splits."""
+    q, rows, tables, lens, rank = _inputs(64, lens=(1, 700, 4096, 3000), heads=128, rank=512, rope=64, dtype=dtype)
+    q, rows, tables, lens = q.cuda(), rows.cuda(), tables.cuda(), lens.cuda()
+    ref = paged_mla.paged_mla_decode_reference(q, rows, tables, lens, 64, rank, 0.05)
+    out = paged_mla.paged_mla_decode(q, rows, tables, lens, 64, rank, 0.05, strict=True)
+    assert_close(out, ref)
