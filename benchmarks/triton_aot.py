@@ -91,6 +91,11 @@ def cases() -> list[Case]:
             lambda dtype=dtype, rows=rows: _impl("sparse_mla")(_t(tokens, 128, 576, dtype=dtype),
                                                                _t(32768, 576, dtype=rows),
                                                                _t(tokens, 2048, dtype=torch.int64), 512, 192 ** -0.5))
+    for dtype, rows, label in ((BF16, BF16, "bfloat16"), (FP32, FP32, "float32"), (BF16, FP8, "fp8 cache")):
+        add("paged_mla_decode", f"V3 128 heads, 512+64, 16 decodes x 32K, page 64, {label}",
+            lambda dtype=dtype, rows=rows: _impl("paged_mla_decode")(
+                _t(16, 128, 576, dtype=dtype), _t(8192 * 64, 576, dtype=rows), _t(16, 512, dtype=torch.int64),
+                _t(16, dtype=torch.int64), 64, 512, 192 ** -0.5))
     return c
 
 

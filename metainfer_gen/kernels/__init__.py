@@ -32,6 +32,7 @@ _EXPORTS = {
     "fp8_linear": "metainfer_gen.kernels.fp8_gemm",
     "indexer_topk": "metainfer_gen.kernels.indexer",
     "sparse_mla": "metainfer_gen.kernels.sparse_attention",
+    "paged_mla_decode": "metainfer_gen.kernels.paged_mla",
     "moe_experts": "metainfer_gen.kernels.moe",
     "conv3d": "metainfer_gen.kernels.conv",
     "channel_rms_norm": "metainfer_gen.kernels.channel_norm",

@@ -24,7 +24,7 @@ from metainfer_gen.kernels.fp8_quant import FP8_DTYPE
 from metainfer_gen.kernels.launch import launch, target_arch
 from metainfer_gen.kernels.registry import Op, register_op
 
-__all__ = ["gather_rows", "sparse_mla", "sparse_mla_reference"]
+__all__ = ["SPARSE_BLOCK_ROWS", "gather_rows", "sparse_mla", "sparse_mla_blocks", "sparse_mla_reference"]
 
 
 def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -51,13 +51,34 @@ def sparse_mla_reference(q: torch.Tensor, kv_rows: torch.Tensor, indices: torch.
     return torch.matmul(probs, context[..., :value_dim])
 
 
-# Bound on the first kernel build (triton is imported lazily) and, for the codec, on every _kernel() call
+# Selected rows the blockwise torch path gathers at once (queries x top-k): 2^16 rows of 576 float32 values = 144 MiB;
+# the whole (T, K) gather of a 2K-token V3.2 prefill chunk at top-k 2048 would be 4M rows (4.5 GiB in bf16).
+SPARSE_BLOCK_ROWS = 1 << 16
+
+
+def sparse_mla_blocks(q: torch.Tensor, kv_rows: torch.Tensor, indices: torch.Tensor, value_dim: int, scale: float,
+                      block_rows: int = SPARSE_BLOCK_ROWS) -> torch.Tensor:
+    """:func:`sparse_mla_reference` a tile of queries at a time, so at most ``block_rows`` selected rows (and their
+    scores) are gathered at once; same arguments and result. Every query sees all its K rows in one softmax, so the
+    values equal the reference's."""
+    tile = max(1, block_rows // max(1, indices.shape[1]))
+    if q.shape[0] <= tile:
+        return sparse_mla_reference(q, kv_rows, indices, value_dim, scale)
+    out = q.new_empty(q.shape[0], q.shape[1], value_dim)
+    for lo in range(0, q.shape[0], tile):
+        out[lo:lo + tile] = sparse_mla_reference(q[lo:lo + tile], kv_rows, indices[lo:lo + tile], value_dim, scale)
+    return out
+
+
+# Bound on the first kernel build (triton is imported lazily) and, for the codec, on every call of a builder
 # (lazy_fp8_kernel); kernels look names up in module globals.
-tl = triton = sum_combine = max_combine = e4m3_to_fp16 = fp32_to_e4m3 = None
+tl = triton = sum_combine = max_combine = attend_rows = e4m3_to_fp16 = fp32_to_e4m3 = None
 
 
 @lazy_fp8_kernel
-def _kernel():
+def attend_rows_fn():
+    """The ``@triton.jit`` online-softmax step over one tile of latent rows, shared by this kernel and the paged
+    decode kernel (:mod:`metainfer_gen.kernels.paged_mla_triton`)."""
     global tl, triton, sum_combine, max_combine  # kernels resolve names through module globals
     import triton
     import triton.language as tl
@@ -65,6 +86,49 @@ def _kernel():
     # tl.max / tl.sum / tl.cdiv / tl.zeros are @triton.jit helpers the interpreter refuses to call when triton was
     # imported before TRITON_INTERPRET was set (see common._sum_combine): reduce with combine functions instead.
     sum_combine, max_combine = _sum_combine(tl), _max_combine(tl)
+
+    @triton.jit
+    def attend_rows(q_lat, q_pe, kv_ptr, slot, valid, m, denom, acc, R, P, stride_kv, scale,
+                    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, SOFT_FP8: tl.constexpr):
+        """(q_lat (H, BLOCK_R), q_pe (H, BLOCK_P)) in the dot dtype over the rows at ``slot`` (BLOCK_N,) where
+        ``valid``; returns the updated running max (H,), sum (H,) and float32 accumulator (H, BLOCK_R). With
+        ``SOFT_FP8`` the rows are uint8 e4m3 codes, decoded in software (no e4m3 conversion below sm_89)."""
+        r = tl.arange(0, BLOCK_R)
+        p = tl.arange(0, BLOCK_P)
+        row = kv_ptr + slot[:, None] * stride_kv
+        c = tl.load(row + r[None, :], mask=valid[:, None] & (r[None, :] < R), other=0.0)
+        pe = tl.load(row + R + p[None, :], mask=valid[:, None] & (p[None, :] < P), other=0.0)
+        if SOFT_FP8:
+            c = e4m3_to_fp16(c)
+            pe = e4m3_to_fp16(pe)
+        c = c.to(q_lat.dtype)
+        pe = pe.to(q_lat.dtype)
+        # ieee: float32 dots (UPCAST) must match the float32 reference, not tf32's 10-bit mantissa; bf16 and
+        # fp16 dots are unaffected by the precision argument.
+        s = (tl.dot(q_lat, tl.trans(c), input_precision="ieee")
+             + tl.dot(q_pe, tl.trans(pe), input_precision="ieee")) * scale  # (H, BLOCK_N) fp32
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.reduce(s, 1, max_combine))
+        alpha = tl.exp(m - m_new)
+        weights = tl.exp(s - m_new[:, None])
+        denom = denom * alpha + tl.reduce(weights, 1, sum_combine)
+        acc = acc * alpha[:, None] + tl.dot(weights.to(q_lat.dtype), c, input_precision="ieee")
+        return m_new, denom, acc
+
+    return attend_rows
+
+
+def _kernel():
+    """The sparse MLA kernel for the current ``TRITON_INTERPRET`` setting, with the shared tile step (and its codec)
+    bound in module globals on every call: an interpreted kernel looks them up each time it runs, and a compiled
+    build in the same process (an AOT test) may have bound the other form last."""
+    global attend_rows  # kernels resolve names through module globals
+    attend_rows = attend_rows_fn()
+    return _build_kernel()
+
+
+@lazy_fp8_kernel
+def _build_kernel():
 
     @triton.jit
     def sparse_mla_kernel(
@@ -100,25 +164,8 @@ def _kernel():
             j = start + tl.arange(0, BLOCK_N)
             slot = tl.load(idx_ptr + t * K + j, mask=j < K, other=-1)
             valid = slot >= 0
-            row = kv_ptr + tl.maximum(slot, 0)[:, None] * stride_kv
-            c = tl.load(row + r[None, :], mask=valid[:, None] & (r[None, :] < R), other=0.0)
-            pe = tl.load(row + R + p[None, :], mask=valid[:, None] & (p[None, :] < P), other=0.0)
-            if SOFT_FP8:
-                c = e4m3_to_fp16(c)
-                pe = e4m3_to_fp16(pe)
-            c = c.to(dot_dtype)
-            pe = pe.to(dot_dtype)
-            # ieee: float32 dots (UPCAST) must match the float32 reference, not tf32's 10-bit mantissa; bf16 and
-            # fp16 dots are unaffected by the precision argument.
-            s = (tl.dot(q_lat, tl.trans(c), input_precision="ieee")
-                 + tl.dot(q_pe, tl.trans(pe), input_precision="ieee")) * scale  # (BLOCK_H, BLOCK_N) fp32
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.reduce(s, 1, max_combine))
-            alpha = tl.exp(m - m_new)
-            weights = tl.exp(s - m_new[:, None])
-            denom = denom * alpha + tl.reduce(weights, 1, sum_combine)
-            acc = acc * alpha[:, None] + tl.dot(weights.to(dot_dtype), c, input_precision="ieee")
-            m = m_new
+            m, denom, acc = attend_rows(q_lat, q_pe, kv_ptr, tl.maximum(slot, 0), valid, m, denom, acc, R, P,
+                                        stride_kv, scale, BLOCK_R, BLOCK_P, SOFT_FP8)
         out = acc / denom[:, None]
         tl.store(out_ptr + t * N * R + h[:, None] * R + r[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=(h[:, None] < N) & (r[None, :] < R))
@@ -181,6 +228,8 @@ SPARSE_MLA = register_op(Op("sparse_mla", "absorbed MLA over indexer-selected la
                             _example))
 SPARSE_MLA.register("triton", sparse_mla_triton, _triton_supports,
                     description="one program per (token, 16 heads), online softmax over 32-row blocks")
+SPARSE_MLA.register("torch-blocks", sparse_mla_blocks,
+                    description=f"the reference a tile of queries at a time, at most {SPARSE_BLOCK_ROWS} rows gathered")
 SPARSE_MLA.register("torch", sparse_mla_reference, description="gather the selected rows, masked softmax")
 
 

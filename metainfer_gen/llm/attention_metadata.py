@@ -29,10 +29,12 @@ class AttentionMetadata:
         query_offsets: flat index of each sequence's first new token, length num_seqs + 1 (Python ints).
         decode_rows: sequences with one new token, attended in one padded batch (the absorbed MLA path).
         decode_tokens: (num_decode,) flat token index of each decode row.
-        decode_slots: (num_decode, max_context) cache slots of each decode row's context, 0 where padded.
-        decode_valid: (num_decode, max_context) bool, True for real context entries.
+        decode_block_tables: (num_decode, W) cache blocks of each decode row, -1 past its blocks (W: the blocks
+            of the longest decode context).
+        decode_context_lens: (num_decode,) tokens each decode row attends to.
         prefill_rows: sequences with several new tokens, attended one by one (the expanded MLA path).
         prefill_slots: per prefill row, (context_len,) cache slots of its whole context.
+        block_size: tokens per cache block.
     """
 
     positions: torch.Tensor
@@ -43,14 +45,23 @@ class AttentionMetadata:
     query_offsets: list[int]
     decode_rows: list[int]
     decode_tokens: torch.Tensor
-    decode_slots: torch.Tensor
-    decode_valid: torch.Tensor
     prefill_rows: list[int]
     prefill_slots: list[torch.Tensor]
+    decode_block_tables: torch.Tensor
+    decode_context_lens: torch.Tensor
+    block_size: int
 
     @property
     def num_tokens(self) -> int:
         return int(self.positions.numel())
+
+    def decode_slots(self) -> torch.Tensor:
+        """(num_decode, W * block_size) int64 cache slots of each decode row's context in position order, block 0's
+        slots past its length (mask with ``decode_context_lens``). Computed on call: only the DSA indexer reads
+        whole contexts; dense attention walks the block tables."""
+        table = self.decode_block_tables
+        offsets = torch.arange(self.block_size, device=table.device)
+        return (table.clamp_min(0)[:, :, None] * self.block_size + offsets).flatten(1)
 
     @classmethod
     def build(cls, starts: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int,
@@ -78,12 +89,11 @@ class AttentionMetadata:
         for n in query_lens:
             offsets.append(offsets[-1] + n)
         max_ctx = max((context_lens[i] for i in decode_rows), default=1)
-        ctx_pos = torch.arange(max_ctx, device=device)
         rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
         lens = torch.tensor([context_lens[i] for i in decode_rows], dtype=torch.long, device=device)
-        decode_valid = ctx_pos[None, :] < lens[:, None]
-        blocks = table[rows][:, (ctx_pos // block_size).clamp_max(table.shape[1] - 1)]
-        decode_slots = torch.where(decode_valid, blocks * block_size + ctx_pos % block_size, 0)
+        width = -(-max_ctx // block_size)
+        # a pure decode step reads the whole table as it is (a view); a mixed one copies its decode rows
+        decode_tables = table[:, :width] if len(decode_rows) == num_seqs else table[rows, :width]
         prefill_slots = []
         for i in prefill_rows:
             pos = torch.arange(context_lens[i], device=device)
@@ -91,5 +101,6 @@ class AttentionMetadata:
         return cls(positions=positions, slot_mapping=slot_mapping, query_lens=list(query_lens), starts=list(starts),
                    context_lens=context_lens, query_offsets=offsets, decode_rows=decode_rows,
                    decode_tokens=torch.tensor([offsets[i] for i in decode_rows], dtype=torch.long, device=device),
-                   decode_slots=decode_slots, decode_valid=decode_valid, prefill_rows=prefill_rows,
-                   prefill_slots=prefill_slots)
+                   prefill_rows=prefill_rows,
+                   prefill_slots=prefill_slots, decode_block_tables=decode_tables, decode_context_lens=lens,
+                   block_size=block_size)

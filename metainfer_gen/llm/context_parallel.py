@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from metainfer_gen import kernels
+from metainfer_gen.llm.layers.online_softmax import LSEMerge, block_attention, softmax_parts
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,66 +131,6 @@ def _tiles(q_pos: torch.Tensor, k_pos: torch.Tensor, tile: int):
             yield lo, hi, end
 
 
-class _Merge:
-    """Partial attention results over disjoint key sets merged by log-sum-exp (the online softmax of ring and
-    flash attention): per (head, query) the normalised output so far and its log-sum-exp, float32."""
-
-    def __init__(self, heads: int, queries: int, dv: int):
-        self.lse = torch.full((heads, queries), float("-inf"))
-        self.acc = torch.zeros(heads, queries, dv)
-
-    def update(self, lo: int, hi: int, out: torch.Tensor, lse: torch.Tensor) -> None:
-        """out (N, t, dv) and lse (N, t), -inf where a query saw no key, for queries [lo, hi)."""
-        old = self.lse[:, lo:hi]
-        new = torch.logaddexp(old, lse)
-        safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)  # -inf only when neither saw a key
-        self.acc[:, lo:hi] = self.acc[:, lo:hi] * torch.exp(old - safe)[..., None] \
-            + out.float() * torch.exp(lse - safe)[..., None]
-        self.lse[:, lo:hi] = new
-
-    def result(self) -> torch.Tensor:
-        """(queries, N, dv)."""
-        return self.acc.permute(1, 0, 2)
-
-
-def _softmax_parts(scores: torch.Tensor, v: torch.Tensor, equation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """scores (N, t, k) float32, -inf where masked -> (softmax(scores) applied to v by ``equation``, lse (N, t))."""
-    lse = scores.logsumexp(-1)
-    p = torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
-    return torch.einsum(equation, p, v.float()), lse
-
-
-def _flash_cpu(q, k, v, scale: float, mask: torch.Tensor | None):
-    """PyTorch's fused CPU flash attention with its log-sum-exp (the kernel ``scaled_dot_product_attention``
-    runs on the CPU), or None where it does not apply (another device or dtype, or no such op in this torch)."""
-    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if op is None or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    width = max(q.shape[-1], v.shape[-1])  # the kernel needs one head size: zero columns change nothing
-    pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[-1]))  # noqa: E731
-    bias = None if mask is None else torch.where(mask, 0.0, float("-inf")).to(q.dtype)
-    out, lse = op(pad(q)[None], pad(k)[None], pad(v)[None], 0.0, False,
-                  attn_mask=None if bias is None else bias[None, None], scale=scale)
-    return out[0, ..., : v.shape[-1]], lse[0].float()
-
-
-def _block_attention(q, k, v, scale: float, mask: torch.Tensor | None, fused: bool = True):
-    """Attention of queries q (N, t, dq) over one block's keys k (N, s, dq) and values v (N, s, dv); mask (t, s)
-    bool (True = visible) or None for all visible. Returns (out (N, t, dv), lse (N, t) float32, -inf for a query
-    that sees no key). ``fused`` uses :func:`_flash_cpu` where it applies (about 5x faster than the unfused math
-    on one CPU thread, same values to float32 rounding), else matmul + softmax."""
-    parts = _flash_cpu(q, k, v, scale, mask) if fused else None
-    if parts is None:
-        scores = torch.einsum("ntd,nsd->nts", q, k).float() * scale
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        return _softmax_parts(scores, v, "nts,nsd->ntd")
-    out, lse = parts
-    if mask is not None:  # the kernel reports lse 0 and output 0 for a fully masked query
-        lse = lse.masked_fill(~mask.any(-1), float("-inf"))
-    return out, lse
-
-
 class _RunningTopK:
     """Per query, the ``k`` best indexer scores seen so far and their positions (-1 where fewer keys were seen).
 
@@ -214,7 +155,7 @@ def _dense_attention(attn, q_nope, q_pe, pos, rows, cp, tile, pad_to, fused: boo
     """MLA over the whole causal prefix: ring of latent rows (n, r + dr), expanded form per block (keys
     ``[k_nope, k_pe]`` per head), log-sum-exp merge. Returns (n, N, dv)."""
     heads = attn.num_heads
-    state = _Merge(heads, q_nope.shape[0], attn.v_head_dim)
+    state = LSEMerge((heads, q_nope.shape[0]), attn.v_head_dim)
     query = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # (N, n, dn + dr)
 
     def visit(block, k_pos):
@@ -230,11 +171,12 @@ def _dense_attention(attn, q_nope, q_pe, pos, rows, cp, tile, pad_to, fused: boo
             full = int(torch.searchsorted(k_pos[:end], pos[lo:lo + 1], right=True))
             for start, stop, mask in ((0, full, None), (full, end, k_pos[None, full:end] <= pos[lo:hi, None])):
                 if stop > start:
-                    state.update(lo, hi, *_block_attention(query[:, lo:hi], key[:, start:stop], v[:, start:stop],
-                                                           attn.softmax_scale, mask, fused))
+                    state.update((slice(None), slice(lo, hi)),
+                                 *block_attention(query[:, lo:hi], key[:, start:stop], v[:, start:stop],
+                                                  attn.softmax_scale, mask, fused))
 
     _ring(rows, pos, cp, pad_to, visit)
-    return state.result()
+    return state.result().permute(1, 0, 2)
 
 
 def _select_topk(indexer, iq, weights, pos, keys, cp, tile, pad_to) -> torch.Tensor:
@@ -264,7 +206,7 @@ def _sparse_attention(attn, q_nope, q_pe, pos, rows, picked, cp, tile, pad_to) -
     :func:`metainfer_gen.kernels.sparse_mla`), to its ``picked`` (n, K) positions found in the block. Returns
     (n, N, dv)."""
     query = attn._absorb_query(q_nope, q_pe)  # (n, N, r + dr)
-    state = _Merge(attn.num_heads, q_nope.shape[0], attn.kv_lora_rank)
+    state = LSEMerge((attn.num_heads, q_nope.shape[0]), attn.kv_lora_rank)
 
     def visit(block, k_pos):
         for lo, hi, end in _tiles(pos, k_pos, tile):
@@ -276,10 +218,11 @@ def _sparse_attention(attn, q_nope, q_pe, pos, rows, picked, cp, tile, pad_to) -
             context = block[at].to(query.dtype)  # (t, K, r + dr)
             scores = torch.einsum("tnc,tkc->ntk", query[lo:hi], context)
             scores = (scores.float() * attn.softmax_scale).masked_fill(~found[None], float("-inf"))
-            state.update(lo, hi, *_softmax_parts(scores, context[..., : attn.kv_lora_rank], "ntk,tkd->ntd"))
+            state.update((slice(None), slice(lo, hi)),
+                         *softmax_parts(scores, context[..., : attn.kv_lora_rank], "ntk,tkd->ntd"))
 
     _ring(rows, pos, cp, pad_to, visit)
-    return attn._unabsorb(state.result().to(q_nope.dtype))
+    return attn._unabsorb(state.result().permute(1, 0, 2).to(q_nope.dtype))
 
 
 def _layer(layer, x, pos, cos, sin, cp: ContextParallel, tile: int, pad_to: int):

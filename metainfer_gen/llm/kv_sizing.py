@@ -1,8 +1,12 @@
-"""Size the KV block pool: an explicit block count or GiB, or measured (profile the largest step, give the rest).
+"""Size the KV block pool: an explicit block count or GiB, or measured (profile the worst step, give the rest).
 
-Measured sizing follows vLLM's ``determine_available_memory`` (profile a forward of ``max_num_batched_tokens``,
-then KV = budget - weights - peak), with the budget stated instead of a ``gpu_memory_utilization`` fraction
-copied between machines, and a margin that is a stated share of that budget.
+Measured sizing follows vLLM's ``determine_available_memory`` (profile a forward, then KV = budget - weights -
+peak), with the budget stated instead of a ``gpu_memory_utilization`` fraction copied between machines, and a
+margin that is a stated share of that budget. vLLM profiles one prefill of ``max_num_batched_tokens`` fresh
+tokens; here two steps are profiled and the larger peak kept: the largest prefill chunk at the longest context
+(its attention reads ``max_model_len`` cached tokens) and the largest decode batch (``min(max_num_seqs,
+max_num_batched_tokens)`` sequences) at the longest context. On CUDA the allocator's cache is emptied before the
+free memory is read and the peak is the allocator's reserved peak, so its rounding is accounted for.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from metainfer_gen.llm.memory_profile import measure_prefill_peak, tensor_bytes
+from metainfer_gen.llm.memory_profile import measure_decode_peak, measure_prefill_peak, tensor_bytes
 
 MIB = 2**20
 
@@ -23,7 +27,9 @@ class KVPoolSizing:
     Attributes:
         source: "num_kv_blocks", "kv_cache_memory_gib" or "measured".
         num_blocks, bytes_per_block: the pool.
-        budget, weights, activation_peak, margin: the measured split (``profiled_tokens`` tokens profiled).
+        budget, weights, activation_peak, margin: the measured split; activation_peak is the larger of
+            prefill_peak (a ``profiled_tokens`` chunk ending at ``profiled_context`` tokens) and decode_peak
+            (``decode_seqs`` sequences at ``profiled_context`` tokens).
         capped: True when fewer blocks than memory allows were kept (``max_num_seqs`` x ``max_model_len``).
     """
 
@@ -36,6 +42,16 @@ class KVPoolSizing:
     margin: int = 0
     profiled_tokens: int = 0
     capped: bool = False
+    profiled_context: int = 0
+    prefill_peak: int = 0
+    decode_peak: int = 0
+    decode_seqs: int = 0
+
+    @property
+    def worst_step(self) -> str:
+        """The profiled step with the larger peak: the prefill chunk or the decode batch."""
+        return (f"decode of {self.decode_seqs} x {self.profiled_context} tokens" if self.decode_peak > self.prefill_peak
+                else f"{self.profiled_tokens}-token prefill at {self.profiled_context} tokens")
 
     def describe(self) -> str:
         """One line with the numbers, for refusals and logs."""
@@ -43,15 +59,17 @@ class KVPoolSizing:
         if self.source != "measured":
             return f"KV pool {pool} (set by {self.source})"
         return (f"KV pool {pool} from a {self.budget / MIB:.1f} MiB budget - weights {self.weights / MIB:.1f} MiB - "
-                f"measured peak {self.activation_peak / MIB:.1f} MiB ({self.profiled_tokens}-token prefill) - "
+                f"measured peak {self.activation_peak / MIB:.1f} MiB ({self.worst_step}) - "
                 f"margin {self.margin / MIB:.1f} MiB" + (" (capped by max_num_seqs x max_model_len)"
                                                           if self.capped else ""))
 
 
 def default_budget(model, device: torch.device) -> int:
-    """Bytes the engine may use when no budget is given: CUDA free memory plus what this process already holds;
+    """Bytes the engine may use when no budget is given: CUDA free memory (after emptying the allocator's cache)
+    plus what this process holds allocated;
     on the CPU the weights plus a quarter of ``MemAvailable`` (the RAM is shared with everything else)."""
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # blocks the allocator caches but does not use count as free
         free, _ = torch.cuda.mem_get_info(device)
         return free + torch.cuda.memory_allocated(device)
     available = 4 * 2**30
@@ -72,6 +90,8 @@ def size_kv_pool(model, config, *, max_model_len: int, dtype: torch.dtype, devic
     Under tensor parallelism every rank profiles and the smallest pool wins, so block tables agree.
     Raises:
         ValueError: the measured split leaves no room for even one block (the message has the numbers).
+    Profiling runs both worst steps on one scratch block per layer
+    (:func:`~metainfer_gen.llm.memory_profile.measure_step_peak`), so it needs no KV memory of its own.
     """
     useful = config.max_num_seqs * -(-max_model_len // config.block_size)
     if config.num_kv_blocks:
@@ -80,7 +100,10 @@ def size_kv_pool(model, config, *, max_model_len: int, dtype: torch.dtype, devic
         blocks = max(1, min(int(config.kv_cache_memory_gib * 2**30) // bytes_per_block, useful))
         return KVPoolSizing("kv_cache_memory_gib", blocks, bytes_per_block)
     tokens = min(config.max_num_batched_tokens, max_model_len)
-    peak = measure_prefill_peak(model, tokens, config.block_size, dtype, device)
+    seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
+    prefill = measure_prefill_peak(model, tokens, config.block_size, dtype, device, context=max_model_len)
+    decode = measure_decode_peak(model, seqs, max_model_len, config.block_size, dtype, device)
+    peak = max(prefill, decode)
     weights = tensor_bytes(model)
     budget = int(config.memory_budget_gib * 2**30) if config.memory_budget_gib else default_budget(model, device)
     margin = int(config.kv_memory_margin * budget)
@@ -91,8 +114,10 @@ def size_kv_pool(model, config, *, max_model_len: int, dtype: torch.dtype, devic
         by_memory = int(gathered.min().item())
     if by_memory < 1:
         raise ValueError(f"no memory left for the KV cache: budget {budget / MIB:.1f} MiB - weights "
-                         f"{weights / MIB:.1f} MiB - measured peak {peak / MIB:.1f} MiB ({tokens}-token prefill) - "
+                         f"{weights / MIB:.1f} MiB - measured peak {peak / MIB:.1f} MiB (the larger of a "
+                         f"{tokens}-token prefill and a decode of {seqs} sequences, at {max_model_len} tokens) - "
                          f"margin {margin / MIB:.1f} MiB < one block ({bytes_per_block} bytes); raise "
                          f"memory_budget_gib or lower max_num_batched_tokens")
     return KVPoolSizing("measured", int(min(by_memory, useful)), bytes_per_block, budget=budget, weights=weights,
-                        activation_peak=peak, margin=margin, profiled_tokens=tokens, capped=by_memory > useful)
+                        activation_peak=peak, margin=margin, profiled_tokens=tokens, capped=by_memory > useful,
+                        profiled_context=max_model_len, prefill_peak=prefill, decode_peak=decode, decode_seqs=seqs)

@@ -95,37 +95,61 @@ def tensor_bytes(module: torch.nn.Module) -> int:
 
 
 @torch.inference_mode()
-def measure_prefill_peak(model, num_tokens: int, block_size: int, dtype: torch.dtype,
-                         device: torch.device) -> int:
-    """Peak activation bytes of one prefill of ``num_tokens`` tokens (a fresh sequence) plus the logits of its
-    last token, the largest step the scheduler can run. The scratch KV cache it writes is not counted (the KV
-    pool is sized separately).
+def measure_step_peak(model, starts: list[int], query_lens: list[int], block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> int:
+    """Peak activation bytes of one engine step: sequence i holds ``starts[i]`` cached tokens and adds
+    ``query_lens[i]``; the logits of every sequence's last token included. Building the step's attention
+    metadata is counted (it grows with the context), the KV cache is not (the pool is sized separately).
+
+    Every sequence's block table points at one scratch block per layer, so a step at any context needs almost no
+    cache memory here; attention reads (and the new tokens overwrite) that block, which changes values, not
+    shapes or allocations.
 
     Args:
         model: the engine model (``forward(input_ids, meta, kv_caches)``, ``compute_logits``, ``cache_row_size``).
     Returns:
-        bytes, from ``torch.cuda.max_memory_allocated`` on CUDA, from :class:`StorageTracker` elsewhere.
+        bytes: on CUDA the caching allocator's reserved peak above what it held before (its rounding and
+        fragmentation included; the cache is emptied first), elsewhere :class:`StorageTracker`'s peak.
     """
     from metainfer_gen.llm.attention_metadata import AttentionMetadata
 
-    num_blocks = -(-num_tokens // block_size)
-    caches = [torch.zeros(num_blocks, block_size, 1, model.cache_row_size, dtype=dtype, device=device)
+    caches = [torch.zeros(1, block_size, 1, model.cache_row_size, dtype=dtype, device=device)
               for _ in model.model.layers]
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (num_tokens,), generator=generator).to(device)
-    meta = AttentionMetadata.build([0], [num_tokens], [list(range(num_blocks))], block_size, device)
+    ids = torch.randint(0, model.config.vocab_size, (sum(query_lens),), generator=generator).to(device)
+    tables = [[0] * -(-(s + n) // block_size) for s, n in zip(starts, query_lens)]
+    last = torch.tensor(query_lens).cumsum(0).sub(1).to(device)
 
     def run():
+        meta = AttentionMetadata.build(starts, query_lens, tables, block_size, device)
         hidden = model(ids, meta, caches)
-        return model.compute_logits(hidden[-1:])
+        return model.compute_logits(hidden[last])
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_reserved(device)
         torch.cuda.reset_peak_memory_stats(device)
         run()
         torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
+        peak = torch.cuda.max_memory_reserved(device) - base
+        torch.cuda.empty_cache()
+        return peak
     with StorageTracker() as tracker:
         run()
     return tracker.peak
+
+
+def measure_prefill_peak(model, num_tokens: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                         context: int | None = None) -> int:
+    """Peak activation bytes of a prefill chunk of ``num_tokens`` tokens ending at ``context`` tokens (default: a
+    fresh sequence, context = num_tokens); see :func:`measure_step_peak`."""
+    context = num_tokens if context is None else context
+    return measure_step_peak(model, [context - num_tokens], [num_tokens], block_size, dtype, device)
+
+
+def measure_decode_peak(model, num_seqs: int, context: int, block_size: int, dtype: torch.dtype,
+                        device: torch.device) -> int:
+    """Peak activation bytes of a decode step of ``num_seqs`` sequences, each at ``context`` tokens; see
+    :func:`measure_step_peak`."""
+    return measure_step_peak(model, [context - 1] * num_seqs, [1] * num_seqs, block_size, dtype, device)

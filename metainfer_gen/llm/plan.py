@@ -11,6 +11,8 @@ Layouts (N devices, all of them used in both phases; a rank's weights are the un
 - decode (tp = N, dcp): heads and experts split over all ranks; every sequence's KV rows are sharded over ``dcp``
   ranks of the group (vLLM's decode context parallelism: MLA's latent row is otherwise replicated on every
   tensor-parallel rank, so TP alone never shrinks KV per rank).
+- what the engine runs (bf16/FP8 weights, TP over all devices, CP 1, DCP 1) is the plan; the best other layout is
+  reported beside it as "not built", with what the engine lacks for it (:data:`NOT_BUILT`).
 - the single global setting it is compared with: tp = N in both phases, latent replicated, bf16 KV, and a static
   memory fraction of 0.90 (vLLM's ``gpu_memory_utilization`` default) instead of a measured reserve.
 
@@ -23,7 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from metainfer_gen.llm.plan_model import (WEIGHT_FORMATS, ModelDims, kv_bytes_per_token, prefill_activation_bytes,
+from metainfer_gen.llm.plan_activations import prefill_activation_bytes
+from metainfer_gen.llm.plan_model import (WEIGHT_FORMATS, ModelDims, kv_bytes_per_token,
                                           weight_bytes_per_rank)
 
 GIB = 2**30
@@ -136,7 +139,7 @@ def _evaluate(d, hw, fmt, kv_fmt, chunk, cp, dcp, concurrency, context, fraction
     kv_tok = kv_bytes_per_token(d, kv_fmt)["total"]
     kv_budget, cap = _capacity(hw, weights, act, kv_tok, fraction)
     pre, dec = prefill_comm_bytes(d, tp, cp, kv_tok), decode_comm_bytes(d, n, dcp)
-    return {"prefill": {"tp": tp, "cp": cp}, "decode": {"tp": n, "dcp": dcp},
+    return {"prefill": {"tp": tp, "cp": cp}, "decode": {"tp": n, "dcp": dcp}, "weight_format": fmt,
             "weights_gib": weights / GIB, "activation_gib": act / GIB, "kv_budget_gib": kv_budget / GIB,
             "kv_token_bytes": kv_tok, "capacity_tokens": cap,
             "max_context": _context(cap, concurrency, cp, dcp, d.max_positions),
@@ -146,14 +149,55 @@ def _evaluate(d, hw, fmt, kv_fmt, chunk, cp, dcp, concurrency, context, fraction
             "prefill_comm_us": pre["total"] / hw.bandwidth * 1e6, "decode_comm_us": dec["total"] / hw.bandwidth * 1e6}
 
 
+# What the engine runs (llm/engine.py, config.py): bf16 or FP8 weights, bf16 or FP8 KV, one tensor-parallel size
+# for prefill and decode. Everything else the planner can size is marked with why it is not built.
+BUILT_WEIGHT_FORMATS = ("bf16", "fp8")
+NOT_BUILT = {
+    "int4": "int4 weights (the engine loads bf16 or FP8)",
+    "cp": "context-parallel prefill inside the engine (llm/context_parallel.py runs beside the scheduler, every "
+          "rank holding the whole model: no CP x TP grid)",
+    "dcp": "decode context parallelism (the latent row is replicated on every tensor-parallel rank)",
+}
+
+
+def not_built(fmt: str, cp: int, dcp: int) -> list[str]:
+    """Why the engine cannot run weights ``fmt`` with prefill CP ``cp`` and decode KV sharding ``dcp`` (empty: it
+    can)."""
+    return [NOT_BUILT[k] for k, off in (("int4", fmt not in BUILT_WEIGHT_FORMATS), ("cp", cp > 1),
+                                         ("dcp", dcp > 1)) if off]
+
+
+def _choose(d, hw, formats, kv_format, chunk, layouts, concurrency, target):
+    """(best option, every option, weight format, whether one holds ``target``) over ``layouts`` (cp, dcp) with the
+    first of ``formats`` that leaves room for KV (the last one when none does)."""
+    fmt = next((f for f in formats if _evaluate(d, hw, f, kv_format, chunk, 1, max(dcp for _, dcp in layouts), 1,
+                                                0)["capacity_tokens"] > 0), formats[-1])
+    options = [_evaluate(d, hw, fmt, kv_format, chunk, cp, dcp, concurrency, target) for cp, dcp in layouts]
+    for o in options:
+        o["not_built"] = not_built(fmt, o["prefill"]["cp"], o["decode"]["dcp"])
+    feasible = [o for o in options if o["max_context_uncapped"] >= target] if target else []
+    if feasible:
+        best = min(feasible, key=lambda o: (o["prefill_comm_us"] + o["decode_comm_us"]))
+    else:
+        best = max(options, key=lambda o: (o["max_context"], o["max_context_uncapped"], -o["weights_gib"],
+                                           -(o["prefill_comm_us"] + o["decode_comm_us"])))
+    return best, options, fmt, bool(feasible)
+
+
 def make_plan(d: ModelDims, hw: Hardware, *, concurrency: int = 1, max_context: int | None = None,
               weight_format: str = "auto", kv_format: str = "fp8", chunk: int = 8192) -> dict:
-    """The per-phase plan and the single-setting baseline, as a JSON-ready dict (sizes in GiB, bytes, tokens).
+    """The plan the engine can run, the best layout it cannot run yet (marked with why), and the single-setting
+    baseline, as a JSON-ready dict (sizes in GiB, bytes, tokens).
+
+    ``plan`` is chosen among what the engine runs (:data:`BUILT_WEIGHT_FORMATS`, TP over all devices, CP 1, DCP
+    1); ``not_built`` is the best over every format and (CP, DCP) layout, with ``not_built`` reasons, or None when
+    it is the plan itself. Every entry of ``options`` carries its ``not_built`` list (empty: the engine runs it).
 
     Args:
         concurrency: sequences resident at once (C).
         max_context: the context (prompt + output tokens) to serve; None asks for the longest at C.
-        weight_format: "bf16", "fp8", "int4", or "auto" (the first of those that leaves room for KV).
+        weight_format: "bf16", "fp8", "int4", or "auto" (the first of those that leaves room for KV; the plan only
+            considers the ones the engine loads).
         kv_format: "bf16" or "fp8" for the plan (the baseline always keeps bf16).
         chunk: prefill chunk (tokens per step across the prefill group).
     Raises:
@@ -163,23 +207,15 @@ def make_plan(d: ModelDims, hw: Hardware, *, concurrency: int = 1, max_context: 
         raise ValueError("concurrency, chunk and max_context must be >= 1")
     n = hw.num_devices
     formats = list(WEIGHT_FORMATS) if weight_format == "auto" else [weight_format]
+    built_formats = [f for f in formats if f in BUILT_WEIGHT_FORMATS] or formats
     target = max_context or 0
-    fmt = formats[-1]
-    for f in formats:
-        if _evaluate(d, hw, f, kv_format, chunk, 1, n, 1, 0)["capacity_tokens"] > 0:
-            fmt = f
-            break
-    options = [_evaluate(d, hw, fmt, kv_format, chunk, cp, dcp, concurrency, target)
-               for cp in _divisors(n) for dcp in _divisors(n)]
-    if target:
-        feasible = [o for o in options if o["max_context_uncapped"] >= target]
-        best = min(feasible, key=lambda o: (o["prefill_comm_us"] + o["decode_comm_us"])) if feasible else None
-    else:
-        feasible, best = [], None
-    if best is None:
-        best = max(options, key=lambda o: (o["max_context"], o["max_context_uncapped"], -o["weights_gib"],
-                                           -(o["prefill_comm_us"] + o["decode_comm_us"])))
+    layouts = [(cp, dcp) for cp in _divisors(n) for dcp in _divisors(n)]
+    best, _, fmt, feasible = _choose(d, hw, built_formats, kv_format, chunk, [(1, 1)], concurrency, target)
+    other, options, _, other_feasible = _choose(d, hw, formats, kv_format, chunk, layouts, concurrency, target)
     base = _evaluate(d, hw, fmt, "bf16", chunk, 1, 1, concurrency, target, fraction=BASELINE_FRACTION)
+    # worth showing when it serves more: a longer context, or the target the engine's own layout cannot hold
+    better = bool(other["not_built"]) and (other["max_context"] > best["max_context"] or (other_feasible
+                                                                                          and not feasible))
     return {
         "model": {"model_type": d.model_type, "layers": d.num_layers, "hidden": d.hidden, "heads": d.num_heads,
                   "experts": d.num_experts, "indexer": bool(d.index_head_dim), "max_positions": d.max_positions},
@@ -191,7 +227,9 @@ def make_plan(d: ModelDims, hw: Hardware, *, concurrency: int = 1, max_context: 
         "kv_bytes_per_token": {k: kv_bytes_per_token(d, k) for k in ("bf16", "fp8")},
         "kv_format": kv_format,
         "options": options,
-        "plan": {**best, "reasons": _reasons(best, options, base, target, concurrency, bool(feasible))},
+        "plan": {**best, "reasons": _reasons(best, [best], base, target, concurrency, feasible)},
+        "not_built": {**other, "reasons": _reasons(other, options, base, target, concurrency, other_feasible)}
+        if better else None,
         "baseline": {**base, "kv_format": "bf16", "memory_fraction": BASELINE_FRACTION},
     }
 
@@ -219,7 +257,7 @@ def _reasons(best: dict, options: list[dict], base: dict, target: int, conc: int
 
 
 def format_plan(plan: dict) -> str:
-    """Markdown tables: per-rank sizes, the options, and plan vs baseline."""
+    """Markdown tables: per-rank sizes, the options, and plan vs the best layout not built vs baseline."""
     hw, p, b = plan["hardware"], plan["plan"], plan["baseline"]
     kv = plan["kv_bytes_per_token"]
     lines = [f"{plan['model']['model_type']} on {hw['devices']} x {hw['device_memory_gib']:.0f} GiB "
@@ -231,11 +269,17 @@ def format_plan(plan: dict) -> str:
     lines += [f"| {k} | {v['latent']:.0f} | {v['indexer']:.0f} | {v['total']:.0f} |" for k, v in kv.items()]
     lines += ["", "| setting | prefill | decode | weights GiB | act GiB | KV GiB | KV rows/rank | context @C | "
               "C @context | prefill KB/tok | decode KB/tok |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for name, o in (("plan", p), ("global", b)):
+    rows = [("plan", p)] + ([("not built", plan["not_built"])] if plan["not_built"] else []) + [("global", b)]
+    for name, o in rows:
         lines.append(f"| {name} | TP{o['prefill']['tp']} CP{o['prefill']['cp']} | TP{o['decode']['tp']} "
                      f"DCP{o['decode']['dcp']} | {o['weights_gib']:.1f} | {o['activation_gib']:.2f} | "
                      f"{o['kv_budget_gib']:.2f} | {o['capacity_tokens']} | {o['max_context']} | "
                      f"{o['max_concurrency'] if o['max_concurrency'] is not None else '-'} | "
                      f"{o['prefill_comm_bytes']['total'] / 1e3:.1f} | {o['decode_comm_bytes']['total'] / 1e3:.1f} |")
     lines += ["", f"prefill: {p['reasons']['prefill']}", f"decode: {p['reasons']['decode']}"]
+    if plan["not_built"]:
+        nb = plan["not_built"]
+        lines += ["", f"not built ({nb['weight_format']} weights), what the engine lacks for it: "
+                  + "; ".join(nb["not_built"]), f"  prefill: {nb['reasons']['prefill']}",
+                  f"  decode: {nb['reasons']['decode']}"]
     return "\n".join(lines)

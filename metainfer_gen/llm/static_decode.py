@@ -11,12 +11,12 @@ Padding rows write no KV: their slot is -1, which ``kernels.store_kv_cache`` ski
 (slot 0, context length 1) so their softmax stays finite, and their hidden states are dropped. Every buffer row a
 graph reads, real or padding, is rewritten before every step, so nothing from an earlier (larger) batch survives.
 
-The per-row cache slots that attention gathers (``decode_slots``/``decode_valid`` of
-:class:`~metainfer_gen.llm.attention_metadata.AttentionMetadata`, read by the dense and the DSA sparse path) are
-computed on the device from the block-table buffer. A graph cannot change its context length, so the table width
+Attention reads the block-table and context-length buffers directly (``decode_block_tables`` /
+``decode_context_lens`` of :class:`~metainfer_gen.llm.attention_metadata.AttentionMetadata`; the DSA indexer's
+per-row slots are computed from them on the device). A graph cannot change its context length, so the table width
 is laddered too: a step's shape is ``(S, W)`` with ``W`` the next power of two >= its longest block table (capped
-at ``ceil(max_model_len / block_size)``), and attention gathers and masks ``W * block_size`` rows per sequence, at
-most twice the longest context instead of the whole ``max_model_len``.
+at ``ceil(max_model_len / block_size)``), and attention walks and masks ``W * block_size`` positions per sequence,
+at most twice the longest context instead of the whole ``max_model_len``.
 """
 
 from __future__ import annotations
@@ -103,14 +103,12 @@ def decode_metadata(buffers: DecodeBuffers, size: int, width: int, block_size: i
     ``starts``/``context_lens`` (host lists, read only by the prefill path) are left empty: a graph would freeze them.
     """
     table = buffers.block_tables[:size, :width]  # (S, W)
-    ctx_pos = torch.arange(width * block_size, device=table.device)  # (L,)
-    valid = ctx_pos[None, :] < buffers.context_lens[:size, None]  # (S, L)
-    blocks = table[:, ctx_pos // block_size]
-    slots = torch.where(valid, blocks * block_size + ctx_pos % block_size, 0)
     return AttentionMetadata(positions=buffers.positions[:size], slot_mapping=buffers.slot_mapping[:size],
                              query_lens=[1] * size, starts=[], context_lens=[], query_offsets=list(range(size + 1)),
                              decode_rows=list(range(size)), decode_tokens=buffers.decode_tokens[:size],
-                             decode_slots=slots, decode_valid=valid, prefill_rows=[], prefill_slots=[])
+                             prefill_rows=[], prefill_slots=[],
+                             decode_block_tables=table, decode_context_lens=buffers.context_lens[:size],
+                             block_size=block_size)
 
 
 class StaticDecode:

@@ -76,3 +76,18 @@ def test_sparse_mla_over_every_row_is_dense_attention():
     dense = torch.softmax((q @ keys.T) * 0.2, -1) @ rows[:, :rank]
     torch.testing.assert_close(sparse_attention.sparse_mla(q, rows, everything, rank, 0.2), dense, atol=1e-5,
                                rtol=1e-5)
+
+
+def test_blocks_match_reference_and_bound_the_gather():
+    from metainfer_gen.llm.memory_profile import StorageTracker
+
+    q, rows, idx, rank = _mla_inputs(tokens=40, k=20)
+    ref = sparse_attention.sparse_mla_reference(q, rows, idx, rank, 0.2)
+    with StorageTracker() as tracker:
+        out = sparse_attention.sparse_mla_blocks(q, rows, idx, rank, 0.2, block_rows=100)  # 5 queries per tile
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    with StorageTracker() as whole:
+        sparse_attention.sparse_mla_reference(q, rows, idx, rank, 0.2)
+    assert tracker.peak < whole.peak / 3
+    impl, _ = sparse_attention.SPARSE_MLA.select(q, rows, idx, rank, 0.2)
+    assert impl.name == "torch-blocks"

@@ -84,6 +84,8 @@ def _fp32_dot_launches():
     mq, rows = torch.empty(2, 16, 96, **f32), torch.empty(64, 96, **f32)
     idx = torch.empty(2, 32, device=META, dtype=torch.int64)
     yield "sparse_mla", lambda: _impl("sparse_mla")(mq, rows, idx, 64, 0.1)
+    tables, lens = torch.empty(2, 4, device=META, dtype=torch.int64), torch.empty(2, device=META, dtype=torch.int64)
+    yield "paged_mla_decode", lambda: _impl("paged_mla_decode")(mq, rows, tables, lens, 16, 64, 0.1)
 
 
 @pytest.mark.parametrize("op,run", list(_fp32_dot_launches()), ids=lambda v: v if isinstance(v, str) else "")
@@ -110,6 +112,8 @@ def _fp8_launches():
                                         torch.empty(1, 256, 128, **fp8), torch.empty(1, 4, **i64), 16, 0.1)
     yield lambda: _impl("sparse_mla")(torch.empty(2, 16, 96, **f32), torch.empty(64, 96, **fp8),
                                       torch.empty(2, 32, **i64), 64, 0.1)
+    yield lambda: _impl("paged_mla_decode")(torch.empty(2, 16, 96, **f32), torch.empty(64, 96, **fp8),
+                                            torch.empty(2, 4, **i64), torch.empty(2, **i64), 16, 64, 0.1)
 
 
 @pytest.mark.parametrize("arch", [80, 86])
@@ -117,7 +121,7 @@ def test_fp8_kernels_compile_below_sm89_in_software(aot, arch):
     """Triton has no e4m3 below sm_89 ("type fp8e4nv not supported"): the wrappers pick the uint8 software path there,
     so every fp8 kernel compiles, without spills, and its PTX converts no e4m3 in hardware."""
     launches = [launch for run in _fp8_launches() for launch in _record(arch, run)]
-    assert len(launches) == 6 and all(launch.meta["SOFT_FP8"] for launch in launches)
+    assert len(launches) == 7 and all(launch.meta["SOFT_FP8"] for launch in launches)
     for launch in launches:
         result = aot.compile_launch(launch, arch)
         assert result.error is None, f"{launch.name}: {result.error}"

@@ -129,7 +129,7 @@ def test_cp2_prefill_then_tp2_engine_decode(cp_runs, name):
 @pytest.mark.parametrize("masked", [False, True])
 def test_fused_block_attention_equals_the_math(masked):
     """The fused CPU kernel (v narrower than q, padded) against matmul + softmax, with fully masked queries."""
-    from metainfer_gen.llm.context_parallel import _block_attention
+    from metainfer_gen.llm.layers.online_softmax import block_attention as _block_attention
 
     torch.manual_seed(1)
     q, k, v = torch.randn(4, 9, 24), torch.randn(4, 13, 24), torch.randn(4, 13, 16)

@@ -1,5 +1,6 @@
-"""KV pool sized from a measured prefill: the planner predicts the measurement, refusals carry the numbers, and a
-256-request mixed load stays inside the memory the sizing reserved and frees every block."""
+"""KV pool sized from the measured worst step (the largest prefill chunk and the largest decode batch, both at the
+longest context): the planner predicts the measurement, refusals carry the numbers, and a 256-request mixed load
+stays inside the memory the sizing reserved and frees every block."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ import pytest
 import torch
 
 from metainfer_gen.llm import EngineConfig, LLMEngine, RequestRejected, SamplingParams
-from metainfer_gen.llm.memory_profile import StorageTracker, tensor_bytes
-from metainfer_gen.llm.plan_model import ModelDims, kv_bytes_per_token, prefill_activation_bytes
+from metainfer_gen.llm.memory_profile import StorageTracker, measure_prefill_peak, tensor_bytes
+from metainfer_gen.llm.plan_activations import worst_step_activation_bytes
+from metainfer_gen.llm.plan_model import ModelDims, kv_bytes_per_token
 
 MIB = 2**20
 
 
 def _engine(path, **kw):
-    return LLMEngine.from_pretrained(path, EngineConfig(block_size=16, max_model_len=256, max_num_seqs=16,
+    return LLMEngine.from_pretrained(path, EngineConfig(block_size=16, max_model_len=512, max_num_seqs=16,
                                                         max_num_batched_tokens=256, **kw))
 
 
@@ -39,10 +41,18 @@ def test_planner_predicts_measured_memory_within_10_percent(moe_checkpoint, prob
     engine = _engine(path, memory_budget_gib=_budget_gib(probe, num_blocks), kv_memory_margin=0.05)
     s = engine.kv_sizing
     assert s.num_blocks == num_blocks
-    assert s.source == "measured" and s.profiled_tokens == 256 and not s.capped
+    assert s.source == "measured" and s.profiled_tokens == 256 and s.profiled_context == 512 and not s.capped
+    assert s.decode_seqs == 16 and s.activation_peak == max(s.prefill_peak, s.decode_peak)
+    # The worst step is not the first chunk: the last chunk of the same 256 tokens reads twice the context, and 16
+    # decodes at 512 tokens peak higher still (profiling the first chunk alone, as before, undersized by 1.7x).
+    first_chunk = measure_prefill_peak(engine.model, 256, 16, torch.float32, torch.device("cpu"))
+    assert s.prefill_peak > 1.1 * first_chunk and s.activation_peak > 1.5 * first_chunk, (s, first_chunk)
     dims = ModelDims.from_config(hf.config.to_dict())
-    predicted_peak = prefill_activation_bytes(dims, 256, 256, 1, 1, act_bytes=4, attention="materialised")
-    assert abs(predicted_peak - s.activation_peak) <= 0.10 * s.activation_peak, (predicted_peak, s)
+    predicted = worst_step_activation_bytes(dims, 256, 16, 512, 1, 1, act_bytes=4)
+    for step in ("prefill", "decode"):
+        measured = getattr(s, f"{step}_peak")
+        assert abs(predicted[step] - measured) <= 0.10 * measured, (step, predicted, s)
+    assert abs(predicted["peak"] - s.activation_peak) <= 0.10 * s.activation_peak
     kv_tensors = sum(t.numel() * t.element_size() for t in engine.runner.kv_caches)
     measured_per_token = kv_tensors / engine.kv_capacity_tokens
     assert abs(kv_bytes_per_token(dims, "fp32")["total"] - measured_per_token) <= 0.10 * measured_per_token
@@ -74,6 +84,7 @@ def test_request_that_can_never_fit_is_refused_with_numbers(moe_checkpoint, prob
     text = str(err.value)
     assert f"needs {capacity + 6} tokens" in text and f"holds {capacity}" in text
     assert "MiB budget" in text and "measured peak" in text and "bytes/token" in text
+    assert f"measured peak {probe.decode_peak / MIB:.1f} MiB (decode of 16 x 512 tokens)" in text  # the worst step
     with pytest.raises(ValueError, match="no memory left for the KV cache"):
         _engine(path, memory_budget_gib=(probe.weights + probe.activation_peak) / 2**30)
 
@@ -82,9 +93,9 @@ def test_256_mixed_requests_stay_inside_the_sizing(moe_checkpoint, probe):
     _, path = moe_checkpoint
     # 384 tokens of KV for up to 64 sequences: prompts of 200 tokens take half the pool, so requests wait,
     # get preempted and resume.
-    engine = LLMEngine.from_pretrained(path, EngineConfig(block_size=16, max_model_len=256, max_num_seqs=64,
-                                                          max_num_batched_tokens=256,
-                                                          memory_budget_gib=_budget_gib(probe, 24)))
+    config = dict(block_size=16, max_model_len=256, max_num_seqs=64, max_num_batched_tokens=256)
+    wide = LLMEngine.from_pretrained(path, EngineConfig(**config, memory_budget_gib=1.0)).kv_sizing  # 64 decodes
+    engine = LLMEngine.from_pretrained(path, EngineConfig(**config, memory_budget_gib=_budget_gib(wide, 24)))
     s = engine.kv_sizing
     rng = random.Random(0)
     prompts = [[rng.randrange(160) for _ in range(rng.choice((1, 5, 17, 60, 130, 200)))] for _ in range(256)]

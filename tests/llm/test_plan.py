@@ -30,13 +30,32 @@ def test_plan_context_and_concurrency_agree():
     d = ModelDims.from_path(CONFIGS / "deepseek_v32.json")
     hw = Hardware(num_devices=8, device_memory=80 * GIB, interconnect="pcie")
     plan = make_plan(d, hw, concurrency=16, max_context=32768)
-    p, base = plan["plan"], plan["baseline"]
+    p, base = plan["not_built"], plan["baseline"]
     assert p["max_context_uncapped"] >= 32768 and p["max_concurrency"] >= 16
     assert base["max_concurrency"] < 16 and base["decode"] == {"tp": 8, "dcp": 1}
     # The per-token KV a rank holds, times the context and the rows per token, fits the KV budget.
     rows = max(15 / p["decode"]["dcp"] + 1 / p["prefill"]["cp"], 16 / p["decode"]["dcp"])
     assert rows * p["max_context_uncapped"] * p["kv_token_bytes"] <= p["kv_budget_gib"] * GIB
     assert p["prefill"]["tp"] * p["prefill"]["cp"] == 8 and "TP=" in p["reasons"]["decode"]
+
+
+def test_plan_recommends_only_what_the_engine_runs():
+    d = ModelDims.from_path(CONFIGS / "deepseek_v32.json")
+    # 8 x 48 GiB: FP8 weights (80 GiB/rank) leave no KV; the layout that fits needs int4, CP and DCP, none built.
+    plan = make_plan(d, Hardware(8, 48 * GIB), concurrency=16)
+    p, nb = plan["plan"], plan["not_built"]
+    assert p["not_built"] == [] and p["prefill"] == {"tp": 8, "cp": 1} and p["decode"] == {"tp": 8, "dcp": 1}
+    assert p["weight_format"] == "fp8" and p["capacity_tokens"] == 0 and "does not fit" in p["reasons"]["decode"]
+    assert nb["weight_format"] == "int4" and nb["max_context"] > 0
+    assert any("int4" in r for r in nb["not_built"])
+    for o in plan["options"]:
+        layout = (o["prefill"]["cp"] > 1, o["decode"]["dcp"] > 1)
+        assert [any("context-parallel" in r for r in o["not_built"]),
+                any("decode context" in r for r in o["not_built"])] == list(layout)
+    # 8 x 141 GiB (H200): the engine's own layout holds it, so there is no better row that is not built to show.
+    big = make_plan(d, Hardware(8, 141 * GIB), concurrency=1)
+    assert big["plan"]["weight_format"] == "fp8" and big["plan"]["capacity_tokens"] > 0
+    assert big["plan"]["not_built"] == [] and big["plan"]["max_context"] == 163840 and big["not_built"] is None
 
 
 def test_glm5_on_48gib_says_it_does_not_fit():
@@ -48,10 +67,11 @@ def test_cli_table_and_json(capsys):
     args = ["plan", "--model", str(CONFIGS / "deepseek_v32.json"), "--devices", "8", "--device-memory", "48GiB",
             "--interconnect", "pcie", "--concurrency", "16"]
     assert main(args) == 0
-    assert "| plan |" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "| plan |" in text and "| not built |" in text and "not built (int4 weights" in text
     assert main(args + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["plan"]["max_context"] > out["baseline"]["max_context"]
+    assert out["not_built"]["max_context"] > out["plan"]["max_context"] >= out["baseline"]["max_context"]
     assert main(["plan", "--model", "missing.json"]) == 2
 
 

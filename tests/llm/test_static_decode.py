@@ -211,7 +211,7 @@ def test_padding_rows_write_no_kv(checkpoint):
 
 
 def test_static_dsa_sparse_decode(tmp_path):
-    """DeepSeek-V3.2's sparse path reads ``decode_slots``/``decode_valid`` from the static buffers too."""
+    """DeepSeek-V3.2's sparse path reads ``decode_block_tables``/``decode_context_lens`` from the static buffers too."""
     from tests.llm.dsa_checkpoints import make_hf_v32_model
 
     model = make_hf_v32_model()

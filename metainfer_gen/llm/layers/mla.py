@@ -4,11 +4,15 @@ Per token the cache holds one row of ``kv_lora_rank + qk_rope_head_dim`` values:
 and the rotated shared key ``k_pe`` (DeepSeek-V2 paper, arXiv:2405.04434, section 2.1; 576 values for V3).
 Two equivalent ways to attend (paper eq. 9-11 and its "absorb" remark; vLLM ``MLACommonImpl``):
 
-- expanded (prefill): ``kv_b_proj`` turns the context's latents into per-head ``k_nope`` and ``v``, then
-  ordinary causal attention. Numerically the closest to Hugging Face transformers' ``DeepseekV3Attention``.
-- absorbed (decode): ``q_nope`` is multiplied into ``W_UK`` (the key half of ``kv_b_proj``) so scores are taken
-  against the latents directly, and ``W_UV`` is applied after the weighted sum. Per decode token this reads the
-  576-wide cache row once instead of expanding ``num_heads * (qk_nope + v)`` values per context token.
+- expanded: ``kv_b_proj`` turns the context's latents into per-head ``k_nope`` and ``v``, then ordinary causal
+  attention. Numerically the closest to Hugging Face transformers' ``DeepseekV3Attention``.
+- absorbed: ``q_nope`` is multiplied into ``W_UK`` (the key half of ``kv_b_proj``) so scores are taken against
+  the latents directly, and ``W_UV`` is applied after the weighted sum. Per decode token this reads the 576-wide
+  cache row once instead of expanding ``num_heads * (qk_nope + v)`` values per context token.
+
+Decode always runs absorbed (:func:`metainfer_gen.kernels.paged_mla_decode`); a prefill row takes whichever form
+costs fewer multiply-adds (:mod:`metainfer_gen.llm.layers.mla_prefill`). Both read the context a group of cache
+blocks at a time with an online softmax, so no step holds scores or gathered rows for the whole context.
 
 Module names mirror the Hugging Face checkpoint (``q_a_proj``, ``kv_a_proj_with_mqa``, ...) so weights load by
 name. Shapes: T = new tokens in the step, N = heads, r = kv_lora_rank, dn/dr/dv = nope/rope/value head dims.
@@ -25,9 +29,9 @@ import torch
 from torch import nn
 
 from metainfer_gen import kernels
-from metainfer_gen.kernels.sparse_attention import gather_rows
 from metainfer_gen.llm.attention_metadata import AttentionMetadata
 from metainfer_gen.llm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from metainfer_gen.llm.layers.mla_prefill import prefill_attention
 from metainfer_gen.llm.layers.norm import RMSNorm
 from metainfer_gen.llm.parallel import TensorParallel
 
@@ -106,42 +110,22 @@ class MLAttention(nn.Module):
 
     def _attend_dense(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache_rows: torch.Tensor,
                       meta: AttentionMetadata) -> torch.Tensor:
-        """Every query over its whole causal context: absorbed for decode rows, expanded for prefill rows;
+        """Every query over its whole causal context, a group of cache blocks at a time: decode rows absorbed in
+        one batch (:func:`metainfer_gen.kernels.paged_mla_decode`), prefill rows one by one in the cheaper form
+        (:func:`~metainfer_gen.llm.layers.mla_prefill.prefill_attention`);
         cache_rows (num_slots, row) -> (T, N * dv)."""
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_head_dim)
         if meta.decode_rows:
             tokens = meta.decode_tokens
-            out[tokens] = self._absorbed(q_nope[tokens], q_pe[tokens], cache_rows, meta)
+            query = self._absorb_query(q_nope[tokens], q_pe[tokens])  # (B, N, r + dr)
+            latent = kernels.paged_mla_decode(query, cache_rows, meta.decode_block_tables, meta.decode_context_lens,
+                                              meta.block_size, self.kv_lora_rank, self.softmax_scale, site=self.site)
+            out[tokens] = self._unabsorb(latent)
         offsets = meta.query_offsets
         for row, slots in zip(meta.prefill_rows, meta.prefill_slots):
             lo, hi = offsets[row], offsets[row + 1]
-            out[lo:hi] = self._expanded(q_nope[lo:hi], q_pe[lo:hi], gather_rows(cache_rows, slots), meta.starts[row])
+            out[lo:hi] = prefill_attention(self, q_nope[lo:hi], q_pe[lo:hi], cache_rows, slots, meta.starts[row])
         return out.flatten(1)
-
-    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, context: torch.Tensor, start: int) -> torch.Tensor:
-        """Causal attention of n queries at positions start.. over L = start + n context rows (L, r + dr)."""
-        c_kv, k_pe = context[:, : self.latent_size].to(q_nope.dtype).split(
-            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(c_kv).view(-1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
-        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # (L, N, dn), (L, N, dv)
-        scores = torch.einsum("qnd,knd->nqk", q_nope, k_nope) + torch.einsum("qnd,kd->nqk", q_pe, k_pe)
-        n, length = q_nope.shape[0], context.shape[0]
-        query_pos = torch.arange(start, start + n, device=q_nope.device)
-        causal = torch.arange(length, device=q_nope.device)[None, :] <= query_pos[:, None]  # (n, L)
-        scores = (scores.float() * self.softmax_scale).masked_fill(~causal, float("-inf"))
-        probs = scores.softmax(-1).to(v.dtype)
-        return torch.einsum("nqk,knd->qnd", probs, v)
-
-    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache_rows: torch.Tensor,
-                  meta: AttentionMetadata) -> torch.Tensor:
-        """One query per row (B rows) over each row's padded context; returns (B, N, dv)."""
-        query = self._absorb_query(q_nope, q_pe)  # (B, N, r + dr)
-        slots = meta.decode_slots
-        context = gather_rows(cache_rows, slots)[..., : self.latent_size].to(q_nope.dtype)  # (B, L, r + dr)
-        scores = torch.matmul(query, context.transpose(1, 2))  # (B, N, L)
-        scores = (scores.float() * self.softmax_scale).masked_fill(~meta.decode_valid[:, None, :], float("-inf"))
-        probs = scores.softmax(-1).to(context.dtype)
-        return self._unabsorb(torch.matmul(probs, context[..., : self.kv_lora_rank]))  # from (B, N, r)
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)

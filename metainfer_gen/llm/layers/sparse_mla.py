@@ -76,8 +76,7 @@ class SparseMLAttention(MLAttention):
         """(flat token indices, (B, L) context slots, (B, n) visible lengths) per batch of queries: all decode rows
         together (n = 1, contexts padded), then each prefill row (B = 1)."""
         if meta.decode_rows:
-            lengths = meta.decode_valid.sum(1, keepdim=True)
-            yield meta.decode_tokens, meta.decode_slots, lengths
+            yield meta.decode_tokens, meta.decode_slots(), meta.decode_context_lens[:, None]
         offsets = meta.query_offsets
         for row, slots in zip(meta.prefill_rows, meta.prefill_slots):
             lo, hi = offsets[row], offsets[row + 1]
