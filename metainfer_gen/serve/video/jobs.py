@@ -182,6 +182,10 @@ class JobStore:
     def set_meta(self, key: str, value: Any) -> None:
         self._write("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, json.dumps(value)))
 
+    def clear_meta(self) -> None:
+        """Forget what workers reported (at start-up: the model may have changed since)."""
+        self._write("DELETE FROM meta")
+
     def get_meta(self, key: str) -> Any:
         rows = self._read("SELECT value FROM meta WHERE key = ?", (key,))
         return json.loads(rows[0][0]) if rows else None

@@ -85,6 +85,7 @@ class RequestChecks:
         cache_names: the accepted ``cache`` policies.
         lora: ``(name, weight) -> (path, weight)`` resolving a LoRA name inside the LoRA folder, raising
             ``ValueError``; None when the server has no LoRA folder.
+        loading: True until a worker has loaded the model (a missing default is then a 503, not a 400).
     """
 
     limits: Any
@@ -93,6 +94,7 @@ class RequestChecks:
     model_name: str
     cache_names: tuple[str, ...]
     lora: Callable[[str, float], tuple[str, float]] | None = None
+    loading: bool = True
 
 
 def _param_of(message: str, fields: tuple[str, ...]) -> str | None:
@@ -156,6 +158,9 @@ def parse_video_request(body: dict[str, Any], checks: RequestChecks, image: str 
         values["num_frames"] = _frames_for(_number(body, "seconds"), fps, checks.rules.temporal_factor)
     for name, value in values.items():
         if value in (None, ""):
+            if name not in checks.defaults and checks.loading:
+                raise APIError(503, f"{name} was not given and the model's default is known once a worker has "
+                                    "loaded it; retry in a few seconds", param=name, code="model_loading")
             if name not in checks.defaults:
                 raise bad_request(f"{name} is required: this model has no default for it", name, "missing_field")
             values[name] = checks.defaults[name]

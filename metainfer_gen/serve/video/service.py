@@ -89,6 +89,7 @@ class VideoService:
             (self.data_dir / sub).mkdir(parents=True, exist_ok=True)
         self.store = JobStore(self.data_dir / STORE_NAME)
         self.num_requeued = self.store.requeue_interrupted()
+        self.store.clear_meta()
         for stale in (self.data_dir / CLIPS).glob(".*"):  # the exporter's temporaries of a killed render
             stale.unlink(missing_ok=True)
         name, rules, defaults = _model_facts(config.model)
@@ -96,6 +97,7 @@ class VideoService:
         self.checks = RequestChecks(config.limits, rules, defaults, self.model_name,
                                     config.cache_names or ("off", *policy_names()), config.lora)
         self._stop = None
+        self._reported_defaults = False
         self._workers: list = []
         self._restarts = [0] * config.num_workers
         self._supervisor: threading.Thread | None = None
@@ -138,6 +140,25 @@ class VideoService:
                     self._workers[index] = self._spawn(index)
 
     @property
+    def ready(self) -> bool:
+        """True once a worker has loaded the model (its rules and call defaults are then known)."""
+        _ = self.rules
+        return self._reported_defaults
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Block until :attr:`ready`. Raises TimeoutError after ``timeout_s`` s, RuntimeError when every worker
+        has exited."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not self.ready:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no video worker loaded the model within {timeout_s} s")
+            if self._workers and not any(p.is_alive() or p.exitcode is None for p in self._workers):
+                raise RuntimeError("every video worker exited before loading the model")
+            time.sleep(0.05)
+
+    @property
     def num_alive_workers(self) -> int:
         return sum(p.is_alive() for p in self._workers)
 
@@ -150,6 +171,12 @@ class VideoService:
             found = self.store.get_meta("rules")
             if found is not None:
                 self.checks.rules = VideoRules(**found)
+        if not self._reported_defaults:  # the call defaults a worker read from the loaded pipeline
+            reported = self.store.get_meta("defaults")
+            if reported is not None:
+                self.checks.defaults = {**reported, **self.checks.defaults}
+                self._reported_defaults = True
+                self.checks.loading = False
         return self.checks.rules
 
     def submit(self, body: dict[str, Any], image_bytes: bytes | None = None) -> Job:
@@ -160,7 +187,7 @@ class VideoService:
         """
         from metainfer_gen.serve.video.uploads import store_image
 
-        _ = self.rules
+        _ = self.ready  # picks up what a worker reported since
         job_id = f"video_{uuid.uuid4()}"
         request = parse_video_request(body, self.checks, image=f"{job_id}.png" if image_bytes is not None else None)
         if image_bytes is not None:
@@ -177,9 +204,10 @@ class VideoService:
         if image:
             (self.data_dir / UPLOADS / image).unlink(missing_ok=True)
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the workers (a running job stops at its next step when the process ends; the next start re-runs
-        it) and close the store; idempotent."""
+    def close(self, timeout_s: float = 3.0) -> None:
+        """Stop the workers and close the store; idempotent. A running job stops at its next step and stays
+        ``in_progress`` (the next start re-runs it); a worker still loading its model after ``timeout_s`` seconds
+        is killed (it holds no job)."""
         self._closing.set()
         if self._stop is not None:
             self._stop.set()

@@ -111,6 +111,9 @@ class VideoWorker:
         self.store.set_meta("rules", {"family": rules.family, "temporal_factor": rules.temporal_factor,
                                       "spatial_multiple": rules.spatial_multiple, "max_size": rules.max_size,
                                       "max_frames": rules.max_frames})
+        names = ("num_frames", "height", "width", "num_inference_steps", "guidance_scale")
+        defaults = {name: self.t2v.default(name) for name in names}
+        self.store.set_meta("defaults", {k: v for k, v in defaults.items() if isinstance(v, (int, float))})
         self._cache = "off"
 
     def run_one(self) -> bool:
