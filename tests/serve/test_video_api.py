@@ -200,3 +200,19 @@ def test_unknown_ids_and_cursor_are_404(http):
     assert http.get("/v1/videos/video_nope/content").json()["error"]["code"] == "video_not_found"
     assert http.get("/v1/videos", params={"after": "video_nope"}).status_code == 404
     assert http.get("/v1/videos", params={"limit": 0}).json()["error"]["param"] == "limit"
+
+
+def test_a_served_mp4_plays_in_the_browser(http, video_server):
+    browser = pytest.importorskip("demo_models.demo_browser")
+    pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+    if browser.find_browser() is None:
+        pytest.skip("no browser: install Debian's chromium and chromium-driver packages (chromedriver on PATH)")
+    r = http.post("/v1/videos/sync", json={"prompt": "a red circle", **SHORT, "num_frames": 9, "fps": 8})
+    assert r.status_code == 200
+    driver = browser.new_driver()
+    try:
+        state = browser.play_video_url(driver, f"{video_server.base_url}/videos/{r.headers['x-video-id']}/content")
+    finally:
+        driver.quit()
+    assert state["error"] is None and (state["width"], state["height"]) == (32, 32)
+    assert state["duration"] == pytest.approx(9 / 8, abs=0.05)
