@@ -33,7 +33,7 @@ PROMPTS = [f"a {colour} {shape} moving {direction}" for colour, shape, direction
 JOB_TIMEOUT_S = 600
 
 
-def cli_batch(out_dir: Path, cache: str, threads: int) -> tuple[float, dict[int, Path]]:
+def cli_batch(out_dir: Path, cache: str, threads: int, steps: int) -> tuple[float, dict[int, Path]]:
     """(seconds of the 8 clips from the manifest, {seed: clip}) of one ``render --prompts`` run."""
     out_dir.mkdir(parents=True)
     prompts = out_dir / "prompts.jsonl"
@@ -41,7 +41,7 @@ def cli_batch(out_dir: Path, cache: str, threads: int) -> tuple[float, dict[int,
                                for i, p in enumerate(PROMPTS)))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
     subprocess.run([sys.executable, "-m", "metainfer_gen.apps.cli", "render", "--prompts", str(prompts),
-                    "--out-dir", str(out_dir / "clips"), "--cache", cache, "--device", "cpu"],
+                    "--out-dir", str(out_dir / "clips"), "--cache", cache, "--device", "cpu", "--steps", str(steps)],
                    cwd=ROOT, env=env, check=True, capture_output=True, timeout=JOB_TIMEOUT_S)
     records = [json.loads(line) for line in (out_dir / "clips" / "manifest.jsonl").read_text().splitlines()]
     assert all(r["status"] == "ok" for r in records), records
@@ -62,7 +62,8 @@ def wait_all(http, ids: list[str]) -> None:
         time.sleep(0.02)
 
 
-def api_run(data_dir: Path, cache: str, workers: int, threads: int) -> tuple[float, dict[int, Path], float]:
+def api_run(data_dir: Path, cache: str, workers: int, threads: int, steps: int
+            ) -> tuple[float, dict[int, Path], float]:
     """(wall seconds of the 8 clips, {seed: clip}, mean render seconds in the workers) through a live server."""
     import httpx
 
@@ -75,11 +76,12 @@ def api_run(data_dir: Path, cache: str, workers: int, threads: int) -> tuple[flo
     with LLMServer.start(ServeConfig(port=0, with_llm=False, video=video)) as server:
         server.video.wait_ready(300)
         with httpx.Client(base_url=server.base_url.removesuffix("/v1"), timeout=60) as http:
-            warm = [http.post("/v1/videos", json={"prompt": "warm up", "seed": 99, "cache": cache}).json()["id"]
+            fields = {"cache": cache, "num_inference_steps": steps}
+            warm = [http.post("/v1/videos", json={"prompt": "warm up", "seed": 99, **fields}).json()["id"]
                     for _ in range(workers)]  # one per worker: each pays its first-call cost here
             wait_all(http, warm)
             started = time.perf_counter()
-            ids = [http.post("/v1/videos", json={"prompt": p, "seed": i, "cache": cache}).json()["id"]
+            ids = [http.post("/v1/videos", json={"prompt": p, "seed": i, **fields}).json()["id"]
                    for i, p in enumerate(PROMPTS)]
             wait_all(http, ids)
             seconds = time.perf_counter() - started
@@ -101,19 +103,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--caches", nargs="+", default=["off", "auto"], help="step-cache policies (rows)")
     parser.add_argument("--cores", type=int, default=2, help="cores to split between the workers (default 2)")
+    parser.add_argument("--steps", type=int, default=20, help="denoising steps per clip (default 20, the model's)")
     args = parser.parse_args(argv)
     print(run_header())
     started = time.time()
     rows = []
     with tempfile.TemporaryDirectory(prefix="serve_video_") as tmp:
         for cache in args.caches:
-            cli_s, cli_clips = cli_batch(Path(tmp) / f"cli_{cache}", cache, args.cores)
+            cli_s, cli_clips = cli_batch(Path(tmp) / f"cli_{cache}", cache, args.cores, args.steps)
             rows.append([f"CLI render --prompts, {args.cores} threads", cache, f"{cli_s:.2f}",
                          f"{8 * 3600 / cli_s:,.0f}", "1.00x", "-", "-", "-"])
             one = None
             for workers in (1, 2):
                 threads = max(1, args.cores // workers)
-                wall, clips, render = api_run(Path(tmp) / f"api_{cache}_{workers}", cache, workers, threads)
+                wall, clips, render = api_run(Path(tmp) / f"api_{cache}_{workers}", cache, workers, threads, args.steps)
                 diff = max(max_difference(clips[i], cli_clips[i]) for i in range(len(PROMPTS)))
                 overhead = (wall - cli_s) / len(PROMPTS) * 1000
                 one = wall if workers == 1 else one
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
                              else "-", str(diff)])
                 print(f"# {cache}, {workers} workers: {wall:.2f} s, mean render {render:.3f} s/clip in the worker",
                       flush=True)
-    print(f"8 prompts of the embedded model (17 frames 64x64, 20 steps, guidance 4, its defaults), seeds 0-7; "
+    print(f"8 prompts of the embedded model (17 frames 64x64, {args.steps} steps, guidance 4), seeds 0-7; "
           f"seconds = the 8 clips, load excluded")
     print_table(["row", "cache", "seconds", "clips/hour", "vs CLI", "vs 1 worker", "API overhead ms/clip",
                  "max diff vs CLI clip (uint8)"], rows)

@@ -103,6 +103,7 @@ class VideoWorker:
         dtype = getattr(torch, spec.dtype) if spec.dtype else None
         self.t2v = TextToVideoPipeline.from_pretrained(spec.model, device=device, torch_dtype=dtype)
         self.t2v.set_progress_bar_config(disable=True)
+        _ = self.t2v.loras  # made before from_pipe, so both tasks share one adapter set on the shared transformer
         try:
             self.i2v = ImageToVideoPipeline.from_pipe(self.t2v)
         except ValueError:
