@@ -216,3 +216,23 @@ def test_a_served_mp4_plays_in_the_browser(http, video_server):
         driver.quit()
     assert state["error"] is None and (state["width"], state["height"]) == (32, 32)
     assert state["duration"] == pytest.approx(9 / 8, abs=0.05)
+
+
+def test_a_worker_that_dies_fails_its_job_and_is_replaced(http, video_server):
+    import os
+    import signal
+
+    service = video_server.video
+    video_id = http.post("/v1/videos", json={"prompt": "long", **LONG, "seed": 4}).json()["id"]
+    running = wait_for(http, video_id, ("in_progress",), min_progress=2)
+    worker = service.store.get(video_id).worker
+    old = service._workers[worker]
+    os.kill(old.pid, signal.SIGKILL)
+    failed = wait_for(http, video_id, timeout_s=30)
+    assert failed["status"] == "failed" and "exited with code -9" in failed["error"]["message"], (running, failed)
+    deadline = time.monotonic() + 120
+    while service._workers[worker] is old or not service._workers[worker].is_alive():
+        assert time.monotonic() < deadline, "the worker was not restarted"
+        time.sleep(0.1)
+    after = [http.post("/v1/videos", json={"prompt": "after", **SHORT, "seed": s}).json()["id"] for s in (5, 6)]
+    assert [wait_for(http, v)["status"] for v in after] == ["completed", "completed"]
