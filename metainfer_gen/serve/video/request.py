@@ -190,11 +190,11 @@ def _size(body: dict) -> tuple[Any, Any]:
     found = _SIZE.match(size) if isinstance(size, str) else None
     if found is None:
         raise bad_request(f"size must be 'WIDTHxHEIGHT', e.g. '64x64'; got {size!r}", "size")
-    width, height = int(found.group(1)), int(found.group(2))
-    for name in ("width", "height"):
-        if body.get(name) not in (None, "") and int(_number(body, name)) != locals()[name]:
+    parsed = {"width": int(found.group(1)), "height": int(found.group(2))}
+    for name, value in parsed.items():
+        if body.get(name) not in (None, "") and _number(body, name) != value:
             raise bad_request(f"size {size!r} and {name}={body[name]!r} disagree: give one of them", name)
-    return width, height
+    return parsed["width"], parsed["height"]
 
 
 def _frames_for(seconds: float, fps: float, temporal_factor: int) -> int:

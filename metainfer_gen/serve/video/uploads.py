@@ -31,14 +31,14 @@ def decode_image(data: bytes, limits):
         with Image.open(io.BytesIO(data)) as probe:
             probe.verify()  # reads the structure without decoding: cheap, before the pixel bound
         with Image.open(io.BytesIO(data)) as image:
-            pixels_ok = _pixel_error(image, limits)
-            if pixels_ok is None:
+            too_large = _pixel_error(image, limits)
+            if too_large is None:
                 image.load()
                 return image.convert("RGB")
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError, ValueError) as exc:
         raise bad_request(f"input_reference is not an image Pillow can read ({type(exc).__name__}); upload a PNG "
                           f"or JPEG", "input_reference") from None
-    raise bad_request(f"input_reference: {pixels_ok}", "input_reference")
+    raise bad_request(f"input_reference: {too_large}", "input_reference")
 
 
 def _pixel_error(image, limits) -> str | None:
