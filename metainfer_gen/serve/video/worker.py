@@ -103,6 +103,10 @@ class VideoWorker:
         dtype = getattr(torch, spec.dtype) if spec.dtype else None
         self.t2v = TextToVideoPipeline.from_pretrained(spec.model, device=device, torch_dtype=dtype)
         self.t2v.set_progress_bar_config(disable=True)
+        try:
+            self.t2v.enable_embed_memo()  # lossless; on by default, as in `render` and the demo
+        except ValueError:
+            pass  # no Wan-style condition embedder: nothing to memoise
         _ = self.t2v.loras  # made before from_pipe, so both tasks share one adapter set on the shared transformer
         try:
             self.i2v = ImageToVideoPipeline.from_pipe(self.t2v)
