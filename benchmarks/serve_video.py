@@ -74,12 +74,17 @@ def api_run(data_dir: Path, cache: str, workers: int, threads: int, steps: int
     video = VideoServeConfig(data_dir=data_dir, limits=DemoLimits(), num_workers=workers, num_threads=threads,
                              device="cpu")
     with LLMServer.start(ServeConfig(port=0, with_llm=False, video=video)) as server:
-        server.video.wait_ready(300)
+        server.video.wait_ready(300, all_workers=True)
         with httpx.Client(base_url=server.base_url.removesuffix("/v1"), timeout=60) as http:
             fields = {"cache": cache, "num_inference_steps": steps}
-            warm = [http.post("/v1/videos", json={"prompt": "warm up", "seed": 99, **fields}).json()["id"]
-                    for _ in range(workers)]  # one per worker: each pays its first-call cost here
-            wait_all(http, warm)
+            warmed: set[int] = set()
+            for _ in range(4 * workers):  # until each worker has paid its first-call cost (bounded)
+                warm = [http.post("/v1/videos", json={"prompt": "warm up", "seed": 99, **fields}).json()["id"]
+                        for _ in range(workers)]
+                wait_all(http, warm)
+                warmed |= {server.video.store.get(v).worker for v in warm}
+                if len(warmed) == workers:
+                    break
             started = time.perf_counter()
             ids = [http.post("/v1/videos", json={"prompt": p, "seed": i, **fields}).json()["id"]
                    for i, p in enumerate(PROMPTS)]

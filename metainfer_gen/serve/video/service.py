@@ -145,13 +145,18 @@ class VideoService:
         _ = self.rules
         return self._reported_defaults
 
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
-        """Block until :attr:`ready`. Raises TimeoutError after ``timeout_s`` s, RuntimeError when every worker
-        has exited."""
+    @property
+    def num_ready_workers(self) -> int:
+        """Workers of this start that have loaded the model."""
+        return sum(self.store.get_meta(f"ready:{i}") is not None for i in range(self.config.num_workers))
+
+    def wait_ready(self, timeout_s: float = 300.0, all_workers: bool = False) -> None:
+        """Block until :attr:`ready` (``all_workers``: until every worker has loaded the model). Raises
+        TimeoutError after ``timeout_s`` s, RuntimeError when every worker has exited."""
         import time
 
         deadline = time.monotonic() + timeout_s
-        while not self.ready:
+        while not self.ready or (all_workers and self.num_ready_workers < self.config.num_workers):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no video worker loaded the model within {timeout_s} s")
             if self._workers and not any(p.is_alive() or p.exitcode is None for p in self._workers):

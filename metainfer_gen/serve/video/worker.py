@@ -119,6 +119,7 @@ class VideoWorker:
         names = ("num_frames", "height", "width", "num_inference_steps", "guidance_scale")
         defaults = {name: self.t2v.default(name) for name in names}
         self.store.set_meta("defaults", {k: v for k, v in defaults.items() if isinstance(v, (int, float))})
+        self.store.set_meta(f"ready:{spec.index}", os.getpid())
         self._cache = "off"
 
     def run_one(self) -> bool:
