@@ -70,9 +70,13 @@ def test_cancel_queued_running_and_finished(tmp_path):
     assert store.mark_cancelled(running)
     done = store.claim(0)
     assert store.complete(done, 0.5)
+    store.add("late", {})
+    late = store.claim(0)  # cancelled after its last step, while the clip was being written
+    store.cancel("late")
+    assert not store.complete(late, 0.5) and store.mark_cancelled(late) and store.get("late").renders == 0
     assert not store.delete("nope") and store.delete("done") and store.get("done") is None
     assert store.cancel("nope") is None
-    assert store.counts()[JobStatus.CANCELLED] == 2
+    assert store.counts()[JobStatus.CANCELLED] == 3
     store.close()
 
 

@@ -198,8 +198,8 @@ class JobStore:
                            f"RETURNING {_COLUMNS}", (worker,))
         return _job(rows[0]) if rows else None
 
-    def _end(self, job: Job, sets: str, args: tuple) -> bool:
-        rows = self._write(f"UPDATE jobs SET {sets} WHERE id = ? AND status = 'in_progress' AND attempt = ? "
+    def _end(self, job: Job, sets: str, args: tuple, extra: str = "") -> bool:
+        rows = self._write(f"UPDATE jobs SET {sets} WHERE id = ? AND status = 'in_progress' AND attempt = ? {extra}"
                            f"RETURNING id", (*args, job.id, job.attempt))
         return bool(rows)
 
@@ -210,10 +210,10 @@ class JobStore:
         return bool(rows) and not rows[0][0]
 
     def complete(self, job: Job, seconds: float) -> bool:
-        """Mark the job completed (its clip is already in place) and count the render. False: not this
-        attempt's any more (the clip is then not the store's)."""
+        """Mark the job completed (its clip is already in place) and count the render. False: a cancel came
+        after the last step (see :meth:`mark_cancelled`), or the job is not this attempt's any more."""
         return self._end(job, "status = 'completed', progress = 100, renders = renders + 1, render_seconds = ?, "
-                              "completed_at = ?", (seconds, int(time.time())))
+                              "completed_at = ?", (seconds, int(time.time())), "AND cancel_requested = 0 ")
 
     def fail(self, job: Job, error: str) -> bool:
         return self._end(job, "status = 'failed', error = ?, completed_at = ?", (error, int(time.time())))

@@ -40,6 +40,7 @@ class VideoServeConfig:
         served_model_name: the ``model`` name of the video API (default the folder's name).
         lora: ``(name, weight) -> (path, weight)`` for names in the LoRA folder (None: no LoRAs).
         max_upload_bytes: largest multipart body (the reference image with the fields).
+        cache_names: the ``cache`` policies requests may name (default: ``off`` and every step-cache policy).
     Raises:
         ValueError: ``num_workers`` or ``num_threads`` < 1, or no limits.
     """
