@@ -51,7 +51,8 @@ def vllm_env(vllm_python: str, threads: int, preload: bool, kv_gib: int = 2) -> 
 
 def ours_command(model: Path | None, port: int, max_num_seqs: int, max_model_len: int) -> list[str]:
     command = [sys.executable, "-m", "metainfer_gen.apps.cli", "serve", "--port", str(port), "--max-num-seqs",
-               str(max_num_seqs), "--max-model-len", str(max_model_len), "--log-level", "warning"]
+               str(max_num_seqs), "--max-model-len", str(max_model_len), "--log-level", "warning",
+               "--video", "none"]
     return command + ([] if model is None else ["--llm", str(model)])
 
 

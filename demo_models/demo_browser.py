@@ -96,9 +96,26 @@ def stop_demo(process: subprocess.Popen) -> None:
 
 def open_page(url: str, window: str = "1400,1100"):
     """A headless Chromium WebDriver at ``url`` once the text-to-video tab has rendered (caller quits it)."""
+    from selenium.webdriver.common.by import By
+
+    driver = new_driver(window)
+    try:
+        driver.get(url)
+        wait_until(lambda: driver.find_elements(By.ID, "t2v-prompt"), 60, "the page to render")
+    except BaseException:
+        driver.quit()
+        raise
+    return driver
+
+
+def new_driver(window: str = "1400,1100"):
+    """A headless Chromium WebDriver on no page yet, autoplay allowed (caller quits it).
+
+    Raises:
+        RuntimeError: no chromium / chromedriver on PATH.
+    """
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.by import By
 
     found = find_browser()
     if found is None:
@@ -108,14 +125,19 @@ def open_page(url: str, window: str = "1400,1100"):
     for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", f"--window-size={window}",
                      "--autoplay-policy=no-user-gesture-required"):
         options.add_argument(argument)
-    driver = webdriver.Chrome(service=Service(found[1]), options=options)
-    try:
-        driver.get(url)
-        wait_until(lambda: driver.find_elements(By.ID, "t2v-prompt"), 60, "the page to render")
-    except BaseException:
-        driver.quit()
-        raise
-    return driver
+    return webdriver.Chrome(service=Service(found[1]), options=options)
+
+
+def play_video_url(driver, src: str, timeout: float = 60) -> dict:
+    """Open ``src`` (an MP4 served over HTTP, e.g. ``/v1/videos/{id}/content``) as the page itself, which Chromium
+    shows in its own ``<video>`` element, and return that video's state (see :func:`playable_video`) once it has
+    decoded a frame. (A ``data:`` page cannot load it: its opaque origin makes Chromium refuse the source.)
+
+    Raises:
+        TimeoutError: it never plays.
+    """
+    driver.get(src)
+    return wait_until(lambda: playable_video(driver, None), timeout, f"the browser to play {src}")
 
 
 def open_tab(driver, label: str) -> None:
@@ -155,11 +177,12 @@ def text_of(driver, elem_id: str) -> str:
     return driver.find_element(By.CSS_SELECTOR, f"#{elem_id} textarea").get_attribute("value")
 
 
-def playable_video(driver, elem_id: str) -> dict | None:
-    """The video element's source and timing once it has decoded a frame (readyState >= 2), else None."""
+def playable_video(driver, elem_id: str | None) -> dict | None:
+    """The source and timing of the video element inside ``elem_id`` (None: the page's first video) once it has
+    decoded a frame (readyState >= 2), else None."""
     from selenium.webdriver.common.by import By
 
-    videos = driver.find_elements(By.CSS_SELECTOR, f"#{elem_id} video")
+    videos = driver.find_elements(By.CSS_SELECTOR, f"#{elem_id} video" if elem_id else "video")
     if not videos:
         return None
     state = driver.execute_script(

@@ -7,7 +7,7 @@
     torchrun --nproc-per-node 2 -m metainfer_gen.apps.cli render "a red circle" --cfg-parallel -o clip.mp4
     metainfer-gen demo                      # the Gradio demo on http://127.0.0.1:7860
     metainfer-gen calibrate --model DIR     # the step cache's signal-to-error mapping, stored beside the model
-    metainfer-gen serve                     # OpenAI-compatible LLM server on http://127.0.0.1:8000/v1
+    metainfer-gen serve                     # OpenAI-compatible LLM + /v1/videos server on http://127.0.0.1:8000/v1
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from metainfer_gen.apps.demo_limits import DemoLimits, InputError, list_loras, resolve_lora
+from metainfer_gen.apps.demo_limits import DemoLimits, InputError, check_lora, list_loras
 from metainfer_gen.apps.render import use_loras
 
 ProgressFn = Callable[[int, int], None]  # (denoising steps done, total steps)
@@ -23,7 +23,6 @@ TEXT_TO_VIDEO = "text-to-video"
 IMAGE_TO_VIDEO = "image-to-video"
 NUM_KEPT_CLIPS = 32  # finished clips kept in the output folder; older ones are deleted
 NO_LORA = "none"
-MAX_LORA_WEIGHT = 2.0
 
 
 def cache_choices() -> list[str]:
@@ -155,11 +154,8 @@ class DemoBackend:
             return []
         if self.lora_dir is None:
             raise InputError("this demo offers no LoRAs")
-        path = resolve_lora(self.lora_dir, name)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not abs(weight) <= MAX_LORA_WEIGHT:
-            raise InputError(f"LoRA weight must be a number in [-{MAX_LORA_WEIGHT:g}, {MAX_LORA_WEIGHT:g}]; "
-                             f"got {weight!r}")
-        return [(str(path), float(weight))]
+        path, weight = check_lora(self.lora_dir, name, weight)
+        return [(str(path), weight)]
 
     def _video(self, task, image, prompt, negative_prompt, num_frames, height, width, num_inference_steps,
                guidance_scale, seed, cache, progress, lora=NO_LORA, lora_weight=1.0) -> VideoResult:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 # Suffixes of LoRA weight files that diffusers' ``load_lora_weights`` reads.
 LORA_SUFFIXES = (".safetensors", ".bin")
+MAX_LORA_WEIGHT = 2.0
 
 
 class InputError(ValueError):
@@ -172,3 +173,18 @@ def resolve_lora(folder: str | Path, name: str) -> Path:
     if not path.is_file():
         raise InputError(f"LoRA {name!r} does not exist in the LoRA folder")
     return path
+
+
+def check_lora(folder: str | Path, name: str, weight: object) -> tuple[Path, float]:
+    """``(file, weight)`` of a LoRA chosen by name (see :func:`resolve_lora`) at a weight in [-2, 2].
+
+    Used by the demo and by the video server's requests (``lora``, ``lora_weight``).
+
+    Raises:
+        InputError: as :func:`resolve_lora`, or a weight that is not a number in [-2, 2].
+    """
+    path = resolve_lora(folder, name)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not abs(weight) <= MAX_LORA_WEIGHT:
+        raise InputError(f"LoRA weight must be a number in [-{MAX_LORA_WEIGHT:g}, {MAX_LORA_WEIGHT:g}]; "
+                         f"got {weight!r}")
+    return path, float(weight)

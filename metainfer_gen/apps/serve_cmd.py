@@ -1,6 +1,8 @@
-"""``metainfer-gen serve``: the OpenAI-compatible LLM server (completions, chat, SSE streaming, /metrics).
+"""``metainfer-gen serve``: the OpenAI-compatible server: LLM (completions, chat, SSE streaming) and video
+(``/v1/videos``), one app, one port, one ``/health`` and ``/metrics``.
 
-    metainfer-gen serve                               # the embedded LLM on http://127.0.0.1:8000/v1
+    metainfer-gen serve                               # the embedded LLM and video model on http://127.0.0.1:8000/v1
+    metainfer-gen serve --llm none --video DIR --video-workers 2 --data-dir jobs/   # video only
     metainfer-gen serve --llm CKPT --port 8001 --api-key SECRET --max-num-seqs 32
     metainfer-gen serve --host 0.0.0.0                # reachable from the network: set an API key too
 
@@ -16,6 +18,7 @@ import sys
 
 from metainfer_gen.apps.arg_types import port, positive_int
 from metainfer_gen.apps.llm_args import add_llm_engine_arguments, engine_options
+from metainfer_gen.apps.video_serve_args import NONE, add_video_serve_arguments, video_serve_config
 
 DEFAULT_PORT = 8000
 API_KEY_ENV = "METAINFER_GEN_API_KEY"
@@ -25,13 +28,16 @@ def add_serve_parser(subparsers) -> None:
     """Register the ``serve`` subcommand on the CLI's subparsers."""
     from metainfer_gen.serve.http_io import DEFAULT_MAX_BODY_BYTES
 
-    p = subparsers.add_parser("serve", help="serve an LLM over OpenAI's API (completions, chat, streaming)",
+    p = subparsers.add_parser("serve", help="serve an LLM and a video model over OpenAI's API (completions, chat, "
+                                            "streaming, /v1/videos)",
                               description="Load an LLM checkpoint (default: the embedded one) and serve OpenAI's "
                                           "/v1/completions and /v1/chat/completions with SSE streaming, plus "
-                                          "/v1/models, /tokenize, /detokenize, /health and /metrics. Binds "
+                                          "/v1/models, /tokenize, /detokenize, /health and /metrics, and a "
+                                          "video model (default: the embedded one) on /v1/videos. Binds "
                                           "127.0.0.1 unless --host says otherwise. Needs the serve extra: "
                                           "pip install 'metainfer-gen[serve]'.")
-    p.add_argument("--llm", default=None, help="checkpoint directory or hub id (default: the embedded LLM)")
+    p.add_argument("--llm", default=None, help="checkpoint directory or hub id (default: the embedded LLM; 'none': "
+                                               "no LLM routes)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=port, default=DEFAULT_PORT, help=f"port to bind, 0 = any free one "
                                                                    f"(default {DEFAULT_PORT})")
@@ -52,6 +58,7 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weights and activations (default float32 on CPU, bfloat16 on CUDA)")
     add_llm_engine_arguments(p)
+    add_video_serve_arguments(p)
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
                    help="uvicorn's log level (default info, with an access log)")
     p.set_defaults(func=cmd_serve)
@@ -67,9 +74,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     engine = {name: getattr(args, name) for name in ("max_model_len", "num_kv_blocks", "device", "dtype")
               if getattr(args, name) is not None} | engine_options(args)
-    config = ServeConfig(llm=args.llm, host=args.host, port=args.port, api_key=args.api_key,
-                         max_num_seqs=args.max_num_seqs, max_body_bytes=args.max_body_bytes,
-                         served_model_name=args.served_model_name, engine=engine)
+    try:
+        video = video_serve_config(args)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.llm == NONE and video is None:
+        print("error: --llm none and --video none leave nothing to serve", file=sys.stderr)
+        return 2
+    config = ServeConfig(llm=None if args.llm == NONE else args.llm, host=args.host, port=args.port,
+                         api_key=args.api_key, max_num_seqs=args.max_num_seqs, max_body_bytes=args.max_body_bytes,
+                         served_model_name=args.served_model_name, engine=engine, with_llm=args.llm != NONE,
+                         video=video)
     try:
         bind_socket(args.host, args.port).close()  # a taken port fails now, not after the model loaded
     except OSError as exc:

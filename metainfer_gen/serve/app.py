@@ -42,21 +42,12 @@ class AppSettings:
             raise ValueError(f"max_body_bytes must be >= 1; got {self.max_body_bytes}")
 
 
-def build_app(front, metrics, settings: AppSettings):
-    """The app serving ``front``'s engine.
-
-    Args:
-        front: an :class:`~metainfer_gen.serve.async_engine.AsyncLLMEngine` (the caller closes it).
-        metrics: the :class:`~metainfer_gen.serve.metrics.ServerMetrics` ``front`` reports to.
-        settings: name, key and limits.
-    """
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
+def new_app():
+    """An empty FastAPI app whose every error (ours, Starlette's 404/405, any exception) is OpenAI's error JSON."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException
 
-    engine = front.engine
-    tokenizer = engine.tokenizer
-    created = int(time.time())
     app = FastAPI(title="metainfer-gen", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(APIError)
@@ -72,6 +63,26 @@ def build_app(front, metrics, settings: AppSettings):
     async def _internal(_, exc: Exception):
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_server_error"),
                             status_code=500)
+
+    return app
+
+
+def build_app(front, metrics, settings: AppSettings, extra_health=None):
+    """The app serving ``front``'s engine.
+
+    Args:
+        front: an :class:`~metainfer_gen.serve.async_engine.AsyncLLMEngine` (the caller closes it).
+        metrics: the :class:`~metainfer_gen.serve.metrics.ServerMetrics` ``front`` reports to.
+        settings: name, key and limits.
+        extra_health: a further check for ``/health``: returns None when healthy, else why not (a 503).
+    """
+    from fastapi import Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+    engine = front.engine
+    tokenizer = engine.tokenizer
+    created = int(time.time())
+    app = new_app()
 
     def check_model(name: str | None) -> None:
         if name is not None and name != settings.model_name:
@@ -137,8 +148,9 @@ def build_app(front, metrics, settings: AppSettings):
 
     @app.get("/health")
     async def health():
-        if not front.is_alive:
-            return JSONResponse(error_body("the engine thread has stopped", "service_unavailable"), status_code=503)
+        problem = "the engine thread has stopped" if not front.is_alive else extra_health and extra_health()
+        if problem:
+            return JSONResponse(error_body(problem, "service_unavailable"), status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")

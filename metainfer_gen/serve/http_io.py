@@ -21,6 +21,16 @@ async def read_json(request, max_body_bytes: int) -> dict:
         APIError: 413 when ``Content-Length`` or the bytes actually sent exceed the limit (checked before and
             while reading, so a chunked upload cannot grow past it); 400 for anything but a JSON object.
     """
+    return parse_json_object(await read_body(request, max_body_bytes), request.headers.get("content-type"))
+
+
+async def read_body(request, max_body_bytes: int) -> bytes:
+    """The request's body, reading at most ``max_body_bytes`` bytes.
+
+    Raises:
+        APIError: 413 when ``Content-Length`` or the bytes actually sent exceed the limit (checked before and
+            while reading, so a chunked upload cannot grow past it).
+    """
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
         raise _too_large(int(declared), max_body_bytes)
@@ -30,7 +40,7 @@ async def read_json(request, max_body_bytes: int) -> dict:
         if size > max_body_bytes:
             raise _too_large(size, max_body_bytes, at_least=True)
         chunks.append(chunk)
-    return parse_json_object(b"".join(chunks), request.headers.get("content-type"))
+    return b"".join(chunks)
 
 
 def _too_large(size: int, limit: int, at_least: bool = False) -> APIError:

@@ -49,6 +49,8 @@ class ServeConfig:
         served_model_name: the ``model`` name clients use; default the checkpoint folder's name.
         engine: further :class:`~metainfer_gen.llm.config.EngineConfig` fields (``num_kv_blocks``,
             ``max_model_len``, ``device``, ``dtype``, ...).
+        with_llm: False serves no LLM (``--llm none``).
+        video: a :class:`~metainfer_gen.serve.video.service.VideoServeConfig` to serve ``/v1/videos`` too, or None.
     Raises:
         ValueError: a port outside [0, 65535], or non-positive limits.
     """
@@ -61,6 +63,8 @@ class ServeConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     served_model_name: str | None = None
     engine: dict = field(default_factory=dict)
+    with_llm: bool = True
+    video: object = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -73,8 +77,9 @@ class ServeConfig:
 class LLMServer:
     """A loaded engine, its async front and app, and the uvicorn server running them."""
 
-    def __init__(self, config: ServeConfig, front, app, model_name: str, sock: socket.socket):
+    def __init__(self, config: ServeConfig, front, app, model_name: str, sock: socket.socket, video=None):
         self.config = config
+        self.video = video  # the VideoService, when /v1/videos is served
         self.front = front
         self.app = app
         self.model_name = model_name
@@ -104,17 +109,31 @@ class LLMServer:
     @classmethod
     def _load(cls, config: ServeConfig, sock: socket.socket) -> "LLMServer":
         from metainfer_gen.pipelines.text_generation import TextGenerationPipeline, default_llm_dir
-        from metainfer_gen.serve.app import build_app
         from metainfer_gen.serve.async_engine import AsyncLLMEngine
         from metainfer_gen.serve.metrics import ServerMetrics
+        from metainfer_gen.serve.video.attach import serving_app
+        from metainfer_gen.serve.video.service import VideoService
 
-        path = Path(config.llm) if config.llm is not None else default_llm_dir()
-        name = config.served_model_name or (path.name if path.exists() else str(config.llm))
-        pipe = TextGenerationPipeline.from_pretrained(config.llm, max_num_seqs=config.max_num_seqs, **config.engine)
-        metrics = ServerMetrics(name)
-        front = AsyncLLMEngine(pipe.engine, metrics)
-        app = build_app(front, metrics, AppSettings(name, config.api_key, config.max_body_bytes))
-        return cls(config, front, app, name, sock)
+        front = metrics = video = None
+        name = "none"
+        if config.with_llm:
+            path = Path(config.llm) if config.llm is not None else default_llm_dir()
+            name = config.served_model_name or (path.name if path.exists() else str(config.llm))
+            pipe = TextGenerationPipeline.from_pretrained(config.llm, max_num_seqs=config.max_num_seqs,
+                                                          **config.engine)
+            metrics = ServerMetrics(name)
+            front = AsyncLLMEngine(pipe.engine, metrics)
+        try:
+            video = VideoService.start(config.video) if config.video is not None else None
+            app = serving_app(front, metrics, AppSettings(name, config.api_key, config.max_body_bytes), video)
+        except BaseException:
+            for part in (front, video):
+                if part is not None:
+                    part.close()
+            raise
+        if video is not None:
+            name = video.model_name if front is None else f"{name} + {video.model_name}"
+        return cls(config, front, app, name, sock, video)
 
     def _uvicorn_server(self, log_level: str):
         import uvicorn
@@ -170,7 +189,9 @@ class LLMServer:
             if self._thread is not None:
                 self._thread.join(timeout_s)
             self._uvicorn = None
-        self.front.close()
+        for part in (self.front, self.video):
+            if part is not None:
+                part.close()
         self._socket.close()
 
     def __enter__(self) -> "LLMServer":

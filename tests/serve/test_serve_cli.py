@@ -25,7 +25,7 @@ def cli_server():
     """(process, base URL) of ``serve --port 0 --api-key secret``; terminated at teardown."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-m", "metainfer_gen.apps.cli", "serve", "--port", "0", "--api-key",
-                             "secret", "--num-kv-blocks", "64", "--max-num-seqs", "8", "--log-level", "warning"],
+                             "secret", "--video", "none", "--num-kv-blocks", "64", "--max-num-seqs", "8", "--log-level", "warning"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline, url = time.monotonic() + 60, None

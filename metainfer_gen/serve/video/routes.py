@@ -1,0 +1,140 @@
+"""The ``/v1/videos`` routes (OpenAI's video API, with vLLM-Omni's ``/sync`` and fields), added to the server's app.
+
+- ``POST /v1/videos``: JSON, or ``multipart/form-data`` with an ``input_reference`` image (image-to-video; the
+  ``openai`` SDK always sends multipart); answers the queued job.
+- ``POST /v1/videos/sync``: the same, answered with the MP4 once rendered (a client that leaves cancels it).
+- ``GET /v1/videos/{id}``, ``GET /v1/videos`` (newest first; ``limit``, ``after``), ``GET /v1/videos/{id}/content``
+  (``video/mp4``; 404 until completed), ``DELETE /v1/videos/{id}``.
+"""
+
+# No ``from __future__ import annotations``: FastAPI reads the ``Request`` annotations at definition time.
+import asyncio
+
+from metainfer_gen.serve.errors import APIError, bad_request
+from metainfer_gen.serve.http_io import check_api_key, read_body, read_json
+from metainfer_gen.serve.video.jobs import Job, JobStatus
+from metainfer_gen.serve.video.request import FIELDS, VideoRequest
+
+POLL_AFTER_MS = 250  # the openai SDK's ``poll`` waits this long between retrievals (header openai-poll-after-ms)
+SYNC_POLL_S = 0.05
+MAX_LIST = 100
+
+
+def video_object(job: Job, model_name: str) -> dict:
+    """A job as OpenAI's ``Video`` object (plus ``num_frames``, ``fps``, ``seed``, ``attempts``)."""
+    request = VideoRequest.from_dict(job.request)
+    error = {"code": "render_failed", "message": job.error} if job.status is JobStatus.FAILED else None
+    return {"id": job.id, "object": "video", "created_at": job.created_at, "status": job.status.value,
+            "progress": job.progress, "model": model_name, "size": request.size, "seconds": request.seconds,
+            "prompt": request.prompt, "completed_at": job.completed_at, "expires_at": None, "error": error,
+            "remixed_from_video_id": None, "num_frames": request.num_frames, "fps": request.fps,
+            "seed": request.seed, "attempts": job.attempt}
+
+
+def add_video_routes(app, service, api_key: str | None, max_body_bytes: int) -> None:
+    """Add the routes to ``app`` (a FastAPI app whose handlers turn :class:`APIError` into OpenAI's JSON).
+
+    Args:
+        service: the :class:`~.service.VideoService`. api_key: Bearer token required on every route (None: open).
+        max_body_bytes: limit of JSON bodies; multipart bodies have ``service.config.max_upload_bytes``.
+    """
+    from fastapi import Request
+    from fastapi.responses import FileResponse, JSONResponse
+
+    name = service.model_name
+    headers = {"openai-poll-after-ms": str(POLL_AFTER_MS)}
+
+    async def submit(request: Request) -> Job:
+        check_api_key(request, api_key)
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        image = None
+        if media == "multipart/form-data":
+            request._body = await read_body(request, service.config.max_upload_bytes)  # form() reads it from here
+            form = await request.form(max_files=1, max_fields=len(FIELDS))
+            body = {key: value for key, value in form.items() if key != "input_reference"}
+            upload = form.get("input_reference")
+            if upload is not None and not isinstance(upload, str):
+                image = await upload.read()
+            elif upload:
+                raise bad_request("input_reference must be an uploaded image file", "input_reference")
+        else:
+            body = await read_json(request, max_body_bytes)
+            if body.get("input_reference") is not None:
+                raise bad_request("send input_reference as a file in a multipart/form-data request",
+                                  "input_reference")
+            body.pop("input_reference", None)
+        return await asyncio.to_thread(service.submit, body, image)
+
+    def find(video_id: str) -> Job:
+        job = service.store.get(video_id)
+        if job is None:
+            raise APIError(404, f"no video {video_id!r}", param="video_id", code="video_not_found")
+        return job
+
+    @app.post("/v1/videos")
+    async def create(request: Request):
+        job = await submit(request)
+        return JSONResponse(video_object(job, name), headers=headers)
+
+    @app.post("/v1/videos/sync")
+    async def create_sync(request: Request):
+        job = await submit(request)
+        try:
+            while not job.status.finished:
+                if await request.is_disconnected():
+                    service.store.cancel(job.id)
+                    raise APIError(499, "the client went away; the job was cancelled", code="client_closed")
+                await asyncio.sleep(SYNC_POLL_S)
+                job = find(job.id)
+        except asyncio.CancelledError:
+            service.store.cancel(job.id)
+            raise
+        if job.status is not JobStatus.COMPLETED:
+            raise APIError(500 if job.status is JobStatus.FAILED else 409,
+                           f"video {job.id} {job.status.value}" + (f": {job.error}" if job.error else ""),
+                           code=f"video_{job.status.value}")
+        return FileResponse(service.clip_path(job), media_type="video/mp4", headers={"x-video-id": job.id})
+
+    @app.get("/v1/videos")
+    async def list_videos(request: Request, limit: int = 20, after: str | None = None, order: str = "desc"):
+        check_api_key(request, api_key)
+        if not 1 <= limit <= MAX_LIST:
+            raise bad_request(f"limit must be in 1..{MAX_LIST}; got {limit}", "limit")
+        if order != "desc":
+            raise bad_request("only order=desc (newest first) is supported", "order")
+        try:
+            jobs = service.store.list(limit + 1, after)
+        except KeyError:
+            raise APIError(404, f"no video {after!r} (the 'after' cursor)", param="after",
+                           code="video_not_found") from None
+        data = [video_object(j, name) for j in jobs[:limit]]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": len(jobs) > limit}
+
+    @app.get("/v1/videos/{video_id}")
+    async def retrieve(request: Request, video_id: str):
+        check_api_key(request, api_key)
+        return JSONResponse(video_object(find(video_id), name), headers=headers)
+
+    @app.get("/v1/videos/{video_id}/content")
+    async def content(request: Request, video_id: str, variant: str = "video"):
+        check_api_key(request, api_key)
+        if variant != "video":
+            raise bad_request(f"variant {variant!r} is not available; this server keeps the video only", "variant")
+        job = find(video_id)
+        path = service.clip_path(job)
+        if job.status is not JobStatus.COMPLETED or not path.is_file():
+            raise APIError(404, f"video {video_id} is {job.status.value}: its content exists once it is completed",
+                           param="video_id", code="video_not_ready")
+        return FileResponse(path, media_type="video/mp4")
+
+    @app.delete("/v1/videos/{video_id}")
+    async def delete(request: Request, video_id: str):
+        check_api_key(request, api_key)
+        job = find(video_id)
+        if job.status.finished and service.store.delete(video_id):
+            service.remove_files(job)
+            return {"id": video_id, "object": "video.deleted", "deleted": True, "status": job.status.value}
+        job = service.store.cancel(video_id)
+        return {"id": video_id, "object": "video.deleted", "deleted": False, "status": job.status.value,
+                "cancel_requested": job.cancel_requested}

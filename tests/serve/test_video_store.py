@@ -1,0 +1,116 @@
+"""The video job store and request checks, without a server: atomic claims across connections, the attempt guard
+that keeps a requeued job from being completed by its old claim, cancel semantics, the newest-first cursor, and
+how ``seconds``/``fps`` become a frame count."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from metainfer_gen.serve.errors import APIError
+from metainfer_gen.serve.video.jobs import JobStatus, JobStore
+from metainfer_gen.serve.video.request import RequestChecks, parse_video_request
+from metainfer_gen.video.rules import VideoRules
+from tests.serve.video_helpers import small_limits
+
+
+def test_claims_from_many_connections_take_each_job_once(tmp_path):
+    path = tmp_path / "jobs.sqlite3"
+    JobStore(path).close()
+    stores = [JobStore(path) for _ in range(4)]
+    for i in range(40):
+        stores[0].add(f"job{i}", {"n": i})
+    taken: list[list[str]] = [[] for _ in stores]
+
+    def drain(index: int) -> None:
+        for _ in range(100):  # bounded: more rounds than jobs
+            job = stores[index].claim(index)
+            if job is None:
+                return
+            taken[index].append(job.id)
+
+    threads = [threading.Thread(target=drain, args=(i,)) for i in range(len(stores))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    ids = [j for part in taken for j in part]
+    assert sorted(ids) == sorted(f"job{i}" for i in range(40)) and len(set(ids)) == 40
+    for store in stores:
+        store.close()
+
+
+def test_a_requeued_job_cannot_be_completed_by_its_old_claim(tmp_path):
+    store = JobStore(tmp_path / "jobs.sqlite3")
+    store.add("a", {})
+    first = store.claim(0)
+    assert store.set_progress(first, 40)
+    assert store.requeue_interrupted() == 1  # the server restarted
+    assert store.get("a").status is JobStatus.QUEUED and store.get("a").progress == 0
+    second = store.claim(1)
+    assert second.attempt == first.attempt + 1
+    assert not store.complete(first, 1.0) and not store.set_progress(first, 50)
+    assert store.complete(second, 2.0)
+    job = store.get("a")
+    assert (job.status, job.renders, job.progress, job.render_seconds) == (JobStatus.COMPLETED, 1, 100, 2.0)
+    assert not store.complete(second, 2.0) and store.get("a").renders == 1  # never counted twice
+    store.close()
+
+
+def test_cancel_queued_running_and_finished(tmp_path):
+    store = JobStore(tmp_path / "jobs.sqlite3")
+    for name in ("queued", "running", "done"):
+        store.add(name, {})
+    assert store.cancel("queued").status is JobStatus.CANCELLED
+    running = store.claim(0)
+    assert running.id == "running"
+    assert store.cancel("running").cancel_requested and store.get("running").status is JobStatus.IN_PROGRESS
+    assert not store.set_progress(running, 10)  # the worker's next step sees the cancel
+    assert store.mark_cancelled(running)
+    done = store.claim(0)
+    assert store.complete(done, 0.5)
+    store.add("late", {})
+    late = store.claim(0)  # cancelled after its last step, while the clip was being written
+    store.cancel("late")
+    assert not store.complete(late, 0.5) and store.mark_cancelled(late) and store.get("late").renders == 0
+    assert not store.delete("nope") and store.delete("done") and store.get("done") is None
+    assert store.cancel("nope") is None
+    assert store.counts()[JobStatus.CANCELLED] == 3
+    store.close()
+
+
+def test_list_is_newest_first_with_an_after_cursor(tmp_path):
+    store = JobStore(tmp_path / "jobs.sqlite3")
+    for i in range(5):
+        store.add(f"j{i}", {})
+    assert [j.id for j in store.list(3)] == ["j4", "j3", "j2"]
+    assert [j.id for j in store.list(3, after="j2")] == ["j1", "j0"]
+    with pytest.raises(KeyError):
+        store.list(3, after="missing")
+    store.close()
+
+
+def checks() -> RequestChecks:
+    return RequestChecks(small_limits(), VideoRules("WanPipeline", 4, 16), {"num_inference_steps": 20,
+                                                                            "guidance_scale": 4.0, "fps": 8.0},
+                         "demo", ("off", "auto"), loading=False)
+
+
+@pytest.mark.parametrize("seconds, fps, frames", [("2", None, 17), (1, 4, 5), ("0.1", None, 1), (4, "8", 33)])
+def test_seconds_at_fps_give_the_nearest_valid_frame_count(seconds, fps, frames):
+    body = {"prompt": "p", "seconds": seconds, "size": "32x48", **({"fps": fps} if fps else {})}
+    request = parse_video_request(body, checks())
+    assert (request.num_frames, request.width, request.height) == (frames, 32, 48)
+    assert request.seconds == f"{frames / float(fps or 8):g}" and request.seed >= 0  # a seed is drawn and kept
+
+
+@pytest.mark.parametrize("body, param", [({"prompt": "p", "seconds": "2"}, "height"),
+                                         ({"prompt": "p", "seconds": "2", "size": "32x32", "width": "48"}, "width"),
+                                         ({"prompt": "p", "num_frames": 9, "size": "32"}, "size"),
+                                         ({"prompt": "p", "num_frames": 9, "size": "32x32", "fps": "nan"}, "fps"),
+                                         ({"prompt": "p", "num_frames": 9, "size": "32x32", "lora": "a"}, "lora")])
+def test_refusals_name_the_field(body, param):
+    with pytest.raises(APIError) as info:
+        parse_video_request(body, checks())
+    assert info.value.status == 400 and info.value.param == param, info.value.message
