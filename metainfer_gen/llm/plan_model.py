@@ -6,10 +6,10 @@ for the options the engine does not run yet:
 
 - MLA latent row per token and layer: ``kv_lora_rank + qk_rope_head_dim`` values (DeepSeek-V2 paper, section 2.1),
   replicated on every tensor-parallel rank (every head reads the same row; vLLM does the same).
-- FP8 latent (FlashMLA's DeepSeek-V3.2 format): ``kv_lora_rank`` e4m3 bytes + one float32 scale per 128 values +
-  the rope part in bf16 (656 bytes for 512 + 64).
+- FP8 KV as the engine stores it (``kv_cache_dtype="fp8"``): every value of the row one e4m3 byte, scale 1
+  (576 bytes for 512 + 64; FlashMLA's V3.2 format, with float32 scales and a bf16 rope part, takes 656).
 - DSA indexer keys (DeepSeek-V3.2, transformers ``DeepseekV32Indexer``): one ``index_head_dim`` key per token on
-  each layer that runs its own indexer; FP8 as vLLM stores it: e4m3 bytes + one float32 scale per 128.
+  each layer that runs its own indexer, in the same cache row as the latent (same dtype).
 - Weights: "bf16" everything 2 bytes; "fp8" the decoder's linear layers in e4m3 with one float32 scale per
   128x128 block (DeepSeek's release format), embedding/head/norms bf16, router float32; "int4" the same linears
   at 4 bits with one bf16 scale per 128 inputs (GPTQ/AWQ-style W4A16 group 128).
@@ -156,11 +156,8 @@ def kv_bytes_per_token(d: ModelDims, kv_format: str) -> dict[str, float]:
     Raises:
         ValueError: unknown format.
     """
-    if kv_format == "fp8":
-        latent = d.kv_lora_rank + 4 * -(-d.kv_lora_rank // 128) + 2 * d.qk_rope
-        index = d.index_head_dim + 4 * -(-d.index_head_dim // 128) if d.index_head_dim else 0
-    elif kv_format in ("fp32", "bf16"):
-        size = 4 if kv_format == "fp32" else 2
+    if kv_format in KV_FORMATS:
+        size = {"fp32": 4, "bf16": 2, "fp8": 1}[kv_format]
         latent, index = size * d.latent_row, size * d.index_head_dim
     else:
         raise ValueError(f"KV format must be one of {KV_FORMATS}; got {kv_format!r}")

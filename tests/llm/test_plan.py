@@ -19,8 +19,8 @@ def test_deepseek_v32_sizes_match_published_figures():
     d = ModelDims.from_path(CONFIGS / "deepseek_v32.json")
     kv = kv_bytes_per_token(d, "bf16")
     assert kv["latent"] == 61 * 576 * 2 and kv["indexer"] == 61 * 128 * 2
-    assert kv_bytes_per_token(d, "fp8")["latent"] == 61 * 656  # FlashMLA's FP8 row: 512 + 4 x 4 + 64 x 2
-    assert kv_bytes_per_token(d, "fp8")["indexer"] == 61 * 132
+    # The engine's FP8 cache (kv_cache_dtype="fp8"): one e4m3 byte per value of the row, scale 1.
+    assert kv_bytes_per_token(d, "fp8")["latent"] == 61 * 576 and kv_bytes_per_token(d, "fp8")["indexer"] == 61 * 128
     params = weight_bytes_per_rank(d, "bf16", 1, 1) / 2
     assert 671e9 < params < 690e9  # 671B main model + the DSA indexers
     assert weight_bytes_per_rank(d, "fp8", 8, 8) < weight_bytes_per_rank(d, "fp8", 4, 8)
