@@ -16,6 +16,11 @@ Layouts (N devices, all of them used in both phases; a rank's weights are the un
 - the single global setting it is compared with: tp = N in both phases, latent replicated, bf16 KV, and a static
   memory fraction of 0.90 (vLLM's ``gpu_memory_utilization`` default) instead of a measured reserve.
 
+Activations: each layout leaves free the engine's worst step at the context it is planned for (the largest prefill
+chunk reading that whole context, the largest decode batch at it), and that context is the longest one whose
+activation, weights and KV fit together, found by bisection (:mod:`metainfer_gen.llm.plan_capacity`): a DSA
+indexer's scores grow with the context, so the first chunk alone would overstate what fits.
+
 Collective bytes are per rank per token, summed over layers; seconds come from an assumed effective per-link
 bandwidth (``LINK_GBPS``; override it per run), latency ignored. Sources: vLLM docs (context parallel deployment),
 DeepSeek-V3 report (prefill/decode deployment), Ring Attention (arXiv:2310.01889).
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from metainfer_gen.llm.plan_activations import prefill_activation_bytes
+from metainfer_gen.llm.plan_capacity import layout_limits
 from metainfer_gen.llm.plan_model import (WEIGHT_FORMATS, ModelDims, kv_bytes_per_token,
                                           weight_bytes_per_rank)
 
@@ -99,52 +104,23 @@ def decode_comm_bytes(d: ModelDims, tp: int, dcp: int, act_bytes: int = 2) -> di
     return {**out, "total": sum(out.values())}
 
 
-def _capacity(hw: Hardware, weights: float, act: float, kv_tok: float, fraction: float | None) -> tuple[float, int]:
-    """(KV bytes per rank, tokens of full KV rows per rank). ``fraction`` None: measured-style budget (device minus
-    reserve and margin); otherwise the static fraction of device memory."""
-    if fraction is None:
-        budget = hw.device_memory * (1 - hw.margin) - hw.reserve - weights - act
-    else:
-        budget = hw.device_memory * fraction - weights - act
-    return max(0.0, budget), max(0, int(budget // kv_tok)) if budget > 0 else 0
-
-
-def _rows_per_token(concurrency: int, cp_prefill: int, dcp: int) -> float:
-    """KV rows a rank holds per token of context with ``concurrency`` sequences resident: the worse of (a)
-    concurrency - 1 in the decode layout (1/dcp of their rows here) plus one being prefilled (1/cp_prefill), and
-    (b) all of them decoding."""
-    return max((concurrency - 1) / dcp + 1 / cp_prefill, concurrency / dcp)
-
-
-def _context(cap: int, concurrency: int, cp_prefill: int, dcp: int, limit: int) -> int:
-    """Longest prompt + output per sequence at ``concurrency``; ``limit`` (max positions) caps it unless 0."""
-    tokens = int(cap // _rows_per_token(concurrency, cp_prefill, dcp))
-    return min(tokens, limit) if limit else tokens
-
-
-def _concurrency(cap: int, context: int, cp_prefill: int, dcp: int) -> int:
-    """Most sequences of ``context`` tokens resident at once (0: not even one)."""
-    if context <= 0:
-        return 0
-    by_prefill = (cap / context - 1 / cp_prefill) * dcp + 1
-    by_decode = cap * dcp / context
-    return max(0, int(min(by_prefill, by_decode) + 1e-9))
-
-
 def _evaluate(d, hw, fmt, kv_fmt, chunk, cp, dcp, concurrency, context, fraction=None) -> dict:
+    """One layout's sizes, limits and traffic. ``fraction`` None: the measured-style budget (device minus reserve
+    and margin); otherwise the static fraction of device memory. The activation is the worst step at the planned
+    context (:func:`~metainfer_gen.llm.plan_capacity.layout_limits`), as the engine's KV sizing profiles it."""
     n = hw.num_devices
     tp = n // cp
     weights = weight_bytes_per_rank(d, fmt, attn_tp=tp, expert_ranks=n)
-    act = prefill_activation_bytes(d, -(-chunk // cp), chunk, tp, n)
+    total = hw.device_memory * (1 - hw.margin) - hw.reserve if fraction is None else hw.device_memory * fraction
     kv_tok = kv_bytes_per_token(d, kv_fmt)["total"]
-    kv_budget, cap = _capacity(hw, weights, act, kv_tok, fraction)
+    lim = layout_limits(d, total - weights, kv_tok, chunk, tp, cp, dcp, concurrency, context, d.max_positions)
     pre, dec = prefill_comm_bytes(d, tp, cp, kv_tok), decode_comm_bytes(d, n, dcp)
     return {"prefill": {"tp": tp, "cp": cp}, "decode": {"tp": n, "dcp": dcp}, "weight_format": fmt,
-            "weights_gib": weights / GIB, "activation_gib": act / GIB, "kv_budget_gib": kv_budget / GIB,
-            "kv_token_bytes": kv_tok, "capacity_tokens": cap,
-            "max_context": _context(cap, concurrency, cp, dcp, d.max_positions),
-            "max_context_uncapped": _context(cap, concurrency, cp, dcp, 0),
-            "max_concurrency": _concurrency(cap, context, cp, dcp) if context else None,
+            "weights_gib": weights / GIB, "activation_gib": lim["activation"] / GIB,
+            "activation_context": lim["planned_context"], "kv_budget_gib": lim["kv_budget"] / GIB,
+            "kv_token_bytes": kv_tok, "capacity_tokens": lim["capacity_tokens"],
+            "max_context": lim["max_context"], "max_context_uncapped": lim["max_context_uncapped"],
+            "max_concurrency": lim["max_concurrency"],
             "prefill_comm_bytes": pre, "decode_comm_bytes": dec,
             "prefill_comm_us": pre["total"] / hw.bandwidth * 1e6, "decode_comm_us": dec["total"] / hw.bandwidth * 1e6}
 
@@ -171,7 +147,7 @@ def _choose(d, hw, formats, kv_format, chunk, layouts, concurrency, target):
     """(best option, every option, weight format, whether one holds ``target``) over ``layouts`` (cp, dcp) with the
     first of ``formats`` that leaves room for KV (the last one when none does)."""
     fmt = next((f for f in formats if _evaluate(d, hw, f, kv_format, chunk, 1, max(dcp for _, dcp in layouts), 1,
-                                                0)["capacity_tokens"] > 0), formats[-1])
+                                                0)["max_context_uncapped"] > 0), formats[-1])
     options = [_evaluate(d, hw, fmt, kv_format, chunk, cp, dcp, concurrency, target) for cp, dcp in layouts]
     for o in options:
         o["not_built"] = not_built(fmt, o["prefill"]["cp"], o["decode"]["dcp"])
@@ -192,6 +168,8 @@ def make_plan(d: ModelDims, hw: Hardware, *, concurrency: int = 1, max_context: 
     ``plan`` is chosen among what the engine runs (:data:`BUILT_WEIGHT_FORMATS`, TP over all devices, CP 1, DCP
     1); ``not_built`` is the best over every format and (CP, DCP) layout, with ``not_built`` reasons, or None when
     it is the plan itself. Every entry of ``options`` carries its ``not_built`` list (empty: the engine runs it).
+    Each entry's ``activation_gib``, ``kv_budget_gib`` and ``capacity_tokens`` are at ``activation_context``:
+    ``max_context`` when it fits, else the longest context that fits at ``concurrency`` (one chunk when none).
 
     Args:
         concurrency: sequences resident at once (C).
@@ -248,7 +226,7 @@ def _reasons(best: dict, options: list[dict], base: dict, target: int, conc: int
               f"token rows/rank covers {dcp}x that many tokens of context, {best['decode_comm_us']:.2f} us/token "
               f"of traffic; the global TP={base['decode']['tp']} setting replicates the latent and stops at "
               f"{base['max_context']} tokens at concurrency {conc}")
-    if not best["capacity_tokens"]:
+    if not best["max_context_uncapped"]:
         need = min((o["weights_gib"] + o["activation_gib"]) for o in options)
         prefill = decode = (f"does not fit: weights {best['weights_gib']:.1f} GiB/rank + activations + reserve "
                             f"leave no KV memory; each device needs more than {need:.1f} GiB plus reserve and "

@@ -10,6 +10,7 @@ import pytest
 from metainfer_gen.apps.cli import main
 from metainfer_gen.apps.plan_cmd import parse_bytes
 from metainfer_gen.llm.plan import GIB, Hardware, make_plan
+from metainfer_gen.llm.plan_activations import worst_step_activation_bytes
 from metainfer_gen.llm.plan_model import ModelDims, kv_bytes_per_token, weight_bytes_per_rank
 
 CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
@@ -56,6 +57,29 @@ def test_plan_recommends_only_what_the_engine_runs():
     big = make_plan(d, Hardware(8, 141 * GIB), concurrency=1)
     assert big["plan"]["weight_format"] == "fp8" and big["plan"]["capacity_tokens"] > 0
     assert big["plan"]["not_built"] == [] and big["plan"]["max_context"] == 163840 and big["not_built"] is None
+
+
+@pytest.mark.parametrize("memory, concurrency, target", [(141, 1, None), (141, 16, None), (141, 4, 131072)])
+def test_plan_is_self_consistent(memory, concurrency, target):
+    # The engine's KV sizing profiles the worst steps at max_model_len (a chunk reading the whole context, a decode
+    # batch); at the planned context and concurrency those, the weights and every sequence's KV fit the device.
+    d = ModelDims.from_path(CONFIGS / "deepseek_v32.json")
+    hw = Hardware(8, memory * GIB)
+    p = make_plan(d, hw, concurrency=concurrency, max_context=target)["plan"]
+    budget = hw.device_memory * (1 - hw.margin) - hw.reserve - p["weights_gib"] * GIB
+
+    def used(context, seqs):
+        peak = worst_step_activation_bytes(d, 8192, seqs, context, 8, 8)["peak"]
+        return peak + seqs * context * p["kv_token_bytes"]
+
+    context, seqs = (target, p["max_concurrency"]) if target else (p["max_context"], concurrency)
+    assert context > 8192 and seqs >= concurrency and used(context, seqs) <= budget
+    planned_step = worst_step_activation_bytes(d, 8192, concurrency, context, 8, 8)["peak"]
+    assert abs(p["activation_gib"] * GIB - planned_step) < 1  # the row's activation is that step at that context
+    if target:
+        assert used(context, seqs + 1) > budget  # and it is the most sequences that fit
+    elif context < d.max_positions:
+        assert used(context + 1, seqs) > budget  # the longest context that fits
 
 
 def test_glm5_on_48gib_says_it_does_not_fit():
