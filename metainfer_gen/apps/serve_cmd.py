@@ -3,9 +3,11 @@
     metainfer-gen serve                               # the embedded LLM on http://127.0.0.1:8000/v1
     metainfer-gen serve --llm CKPT --port 8001 --api-key SECRET --max-num-seqs 32
     metainfer-gen serve --host 0.0.0.0                # reachable from the network: set an API key too
+    metainfer-gen serve --llm CKPT --tp 2             # 2 tensor-parallel ranks; rank 0 serves HTTP
 
-Needs the serve extra: ``pip install 'metainfer-gen[serve]'``. Tensor parallelism (torchrun) and FP8 flags are
-not wired here yet; the engine supports them through the Python API.
+Needs the serve extra: ``pip install 'metainfer-gen[serve]'``. With ``--tp N`` this command starts ranks 1..N-1
+itself (or runs under ``torchrun --nproc-per-node N``): every rank steps the engine, rank 0 serves
+(``apps/tp_launch.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import sys
 
 from metainfer_gen.apps.arg_types import port, positive_int
-from metainfer_gen.apps.llm_args import add_llm_engine_arguments, engine_options
+from metainfer_gen.apps.llm_args import add_llm_engine_arguments, add_tp_argument, engine_options
 
 DEFAULT_PORT = 8000
 API_KEY_ENV = "METAINFER_GEN_API_KEY"
@@ -52,13 +54,16 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weights and activations (default float32 on CPU, bfloat16 on CUDA)")
     add_llm_engine_arguments(p)
+    add_tp_argument(p)
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
                    help="uvicorn's log level (default info, with an access log)")
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from metainfer_gen.serve.server import LLMServer, ServeConfig, bind_socket, require_serve_dependencies
+    from metainfer_gen.apps.tp_launch import tensor_parallel_pipeline
+    from metainfer_gen.serve.server import (LLMServer, ServeConfig, bind_socket, pipeline_options,
+                                            require_serve_dependencies)
 
     try:
         require_serve_dependencies()
@@ -75,5 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"error: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
-    LLMServer.run_forever(config, log_level=args.log_level)
+    with tensor_parallel_pipeline(args.tp, args.llm, **pipeline_options(config)) as pipe:
+        if pipe is not None:  # rank 0; the other ranks followed its steps until it stopped
+            LLMServer.run_forever(config, log_level=args.log_level, pipe=pipe)
     return 0

@@ -83,8 +83,10 @@ class LLMServer:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def load(cls, config: ServeConfig) -> "LLMServer":
-        """Bind the port, load the model, build the app, then listen (uvicorn accepts once it runs).
+    def load(cls, config: ServeConfig, pipe=None) -> "LLMServer":
+        """Bind the port, load the model (unless ``pipe``, a loaded and warmed-up
+        :class:`~metainfer_gen.pipelines.TextGenerationPipeline`, is given), build the app, then listen (uvicorn
+        accepts once it runs).
 
         Raises:
             ImportError: the serve extra is missing. OSError: the address is taken or not this machine's.
@@ -94,7 +96,7 @@ class LLMServer:
         AppSettings("x", config.api_key, config.max_body_bytes)  # check the key and limits before loading
         sock = bind_socket(config.host, config.port)
         try:
-            server = cls._load(config, sock)
+            server = cls._load(config, sock, pipe)
         except BaseException:
             sock.close()
             raise
@@ -102,7 +104,7 @@ class LLMServer:
         return server
 
     @classmethod
-    def _load(cls, config: ServeConfig, sock: socket.socket) -> "LLMServer":
+    def _load(cls, config: ServeConfig, sock: socket.socket, pipe=None) -> "LLMServer":
         from metainfer_gen.pipelines.text_generation import TextGenerationPipeline, default_llm_dir
         from metainfer_gen.serve.app import build_app
         from metainfer_gen.serve.async_engine import AsyncLLMEngine
@@ -110,7 +112,8 @@ class LLMServer:
 
         path = Path(config.llm) if config.llm is not None else default_llm_dir()
         name = config.served_model_name or (path.name if path.exists() else str(config.llm))
-        pipe = TextGenerationPipeline.from_pretrained(config.llm, max_num_seqs=config.max_num_seqs, **config.engine)
+        if pipe is None:
+            pipe = TextGenerationPipeline.from_pretrained(config.llm, warmup=True, **pipeline_options(config))
         metrics = ServerMetrics(name)
         front = AsyncLLMEngine(pipe.engine, metrics)
         app = build_app(front, metrics, AppSettings(name, config.api_key, config.max_body_bytes))
@@ -134,9 +137,10 @@ class LLMServer:
 
     # -- running ----------------------------------------------------------------------------------------------
     @classmethod
-    def run_forever(cls, config: ServeConfig, log_level: str = "info") -> None:
-        """Load, bind and serve until Ctrl-C / SIGTERM (uvicorn's signal handling), then close the engine."""
-        server = cls.load(config)
+    def run_forever(cls, config: ServeConfig, log_level: str = "info", pipe=None) -> None:
+        """Load (or take ``pipe``), bind and serve until Ctrl-C / SIGTERM (uvicorn's signal handling), then close
+        the engine thread."""
+        server = cls.load(config, pipe)
         print(f"serving {server.model_name!r} on {server.base_url} (OpenAI API; /health, /metrics)", flush=True)
         try:
             server._uvicorn_server(log_level).run(sockets=[server._socket])
@@ -178,6 +182,15 @@ class LLMServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def pipeline_options(config: ServeConfig) -> dict:
+    """``TextGenerationPipeline.from_pretrained`` keywords for ``config`` (``engine``'s ``dtype`` becomes
+    ``torch_dtype``, the pipeline's name for it)."""
+    options = dict(config.engine, max_num_seqs=config.max_num_seqs)
+    if "dtype" in options:
+        options["torch_dtype"] = options.pop("dtype")
+    return options
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
