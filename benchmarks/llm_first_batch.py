@@ -9,6 +9,8 @@ max_num_batched_tokens 2048, as ``serve_llm.py``), optionally ``engine.warmup()`
 tokens each, a new seed per batch). Runs alternate between the two settings (``--rounds`` times), so drifting load
 from other work hits both alike. The row gives every batch's seconds and first vs later (median); without the
 warm-up the first batch pays torch.compile for the full-budget step's shapes (see ``metainfer_gen/llm/warmup.py``).
+Batch times on a shared machine vary more than a compile costs, so the rows also give the graphs compiled and the
+seconds dynamo spent compiling during the batches (``_compile.compile_inner``), against a later batch's median.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from table import print_table, run_footer, run_header  # noqa: E402
 def child(path: Path, warmup: bool, batches: int, quick: bool) -> dict:
     """One fresh process's figures: load and warm-up seconds, graphs compiled, each batch's seconds."""
     import torch
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import compilation_time_metrics, counters
 
     from metainfer_gen.llm import EngineConfig, LLMEngine, SamplingParams
 
@@ -45,14 +47,18 @@ def child(path: Path, warmup: bool, batches: int, quick: bool) -> dict:
     engine.generate([[5, 6, 7, 8]] * 2, SamplingParams(max_new_tokens=2, **greedy))
     vocab, (lo, hi) = engine.model.config.vocab_size, ((8, 64) if quick else (64, 512))
     params = SamplingParams(max_new_tokens=4 if quick else 32, **greedy)
-    seconds, graphs = [], counters["stats"]["unique_graphs"]
+    def compile_s() -> float:
+        return sum(compilation_time_metrics.get("_compile.compile_inner", []))
+
+    seconds, graphs, compiled = [], counters["stats"]["unique_graphs"], compile_s()
     for seed in range(1, batches + 1):
         prompts = random_prompts(64, vocab, lo, hi, seed)
         t = time.perf_counter()
         engine.generate(prompts, params)
         seconds.append(time.perf_counter() - t)
     return {"load_s": load_s, "warmup_s": report.seconds if report else None, "threads": torch.get_num_threads(),
-            "graphs_in_batches": counters["stats"]["unique_graphs"] - graphs, "seconds": seconds}
+            "graphs_in_batches": counters["stats"]["unique_graphs"] - graphs, "compile_s": compile_s() - compiled,
+            "seconds": seconds}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,12 +89,13 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(["random-large", "engine.warmup()" if warmup else "none",
                          "-" if out["warmup_s"] is None else f"{out['warmup_s']:.1f}", f"{out['load_s']:.1f}",
                          " / ".join(f"{x:.2f}" for x in s), f"{(s[0] / later - 1):+.0%}",
-                         str(out["graphs_in_batches"])])
+                         str(out["graphs_in_batches"]), f"{out['compile_s']:.1f}",
+                         f"{out['compile_s'] / later:.0%}"])
     print(f"64 prompts per batch, uniform {'8-64' if args.quick else '64-512'} tokens, "
           f"{4 if args.quick else 32} greedy tokens each; a fresh process per row; threads per process: "
           f"{os.environ.get('OMP_NUM_THREADS', 'unset')}")
     print_table(["model", "warm-up", "warm-up s", "load s", "batch seconds (in order)", "first vs later (median)",
-                 "graphs compiled in batches"], rows)
+                 "graphs compiled in batches", "compile s in batches", "compile s / later batch"], rows)
     print(run_footer(time.perf_counter() - start))
 
 
