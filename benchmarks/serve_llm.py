@@ -133,6 +133,7 @@ class OfflineLoad:
         start = time.perf_counter()
         self.engine = LLMEngine.from_pretrained(path or default_llm_dir(),
                                                 EngineConfig(max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN))
+        self.engine.warmup()  # as the server does at start-up
         self.params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
         self.engine.generate([[5, 6, 7, 8]] * 2, SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True))
         self.startup_s = time.perf_counter() - start

@@ -126,7 +126,7 @@ def load_backend(args: argparse.Namespace, output_dir: Path):
     if not args.no_llm:
         try:
             llm = pipelines.TextGenerationPipeline.from_pretrained(args.llm_model, device=args.device,
-                                                                   torch_dtype=options["torch_dtype"])
+                                                                   torch_dtype=options["torch_dtype"], warmup=True)
         except Exception as exc:  # noqa: BLE001 - the embedded LLM may be missing or half-built; never fatal
             if args.llm_model:
                 raise
@@ -157,5 +157,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # SIGTERM (a service manager, `kill`) exits through SystemExit so that atexit removes the temporary folder.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"metainfer-gen demo on http://{args.host}:{args.port} (uploads and clips under {root})", flush=True)
-    launch_app(app, host=args.host, port=args.port, share=args.share, max_upload_mb=limits.max_upload_mb)
+    try:
+        launch_app(app, host=args.host, port=args.port, share=args.share, max_upload_mb=limits.max_upload_mb)
+    finally:
+        backend.close()
     return 0

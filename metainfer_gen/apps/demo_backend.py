@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from metainfer_gen.apps.demo_limits import DemoLimits, InputError, check_lora, list_loras
+from metainfer_gen.apps.demo_llm import DemoLLM
 from metainfer_gen.apps.render import use_loras
 
 ProgressFn = Callable[[int, int], None]  # (denoising steps done, total steps)
@@ -86,7 +87,7 @@ class DemoBackend:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         # Pipelines are not thread-safe and T2V/I2V may share a transformer: one video call at a time.
         self._video_lock = threading.Lock()
-        self._llm_lock = threading.Lock()
+        self._llm = DemoLLM(self.llm) if self.llm is not None else None
         self._cache_specs: dict[str, str] = {}  # task -> cache spec enabled on that pipeline
         self._uncached: dict[tuple, _Uncached] = {}
         self._clips: deque[Path] = deque()
@@ -105,9 +106,8 @@ class DemoBackend:
                 args = (Image.new("RGB", (side, side)), "warm up") if pipe is self.i2v else ("warm up",)
                 with self._video_lock:
                     pipe(*args, num_frames=1, height=side, width=side, num_inference_steps=1, seed=0)
-        if self.llm is not None:
-            with self._llm_lock:
-                self.llm("warm up", max_new_tokens=1)
+        if self._llm is not None:
+            self._llm.complete("warm up", 1, 0.0)
 
     # ------------------------------------------------------------------------------------------------ video
 
@@ -264,7 +264,8 @@ class DemoBackend:
     # ------------------------------------------------------------------------------------------------ LLM
 
     def generate_text(self, prompt: str, max_new_tokens, temperature) -> TextResult:
-        """Complete ``prompt`` with the LLM; the stats line gives TTFT and decode tokens/s.
+        """Complete ``prompt`` with the LLM through the async front (concurrent sessions share engine steps); the
+        stats line gives TTFT and decode tokens/s.
 
         Raises:
             InputError: no LLM, an input outside the limits, or a prompt the engine refuses.
@@ -273,22 +274,13 @@ class DemoBackend:
             raise InputError("this demo has no LLM")
         prompt = self.limits.check_prompt(prompt)
         tokens, temperature = self.limits.check_text_request(max_new_tokens=max_new_tokens, temperature=temperature)
-        with self._llm_lock:
-            try:
-                out = self.llm(prompt, max_new_tokens=tokens, temperature=temperature)
-            except ValueError as exc:
-                raise InputError(str(exc)) from None
-        if out.error:
-            raise InputError(f"the LLM refused the prompt: {out.error}")
-        parts = [f"{len(out.token_ids)} tokens"]
-        if out.ttft is not None:
-            parts.append(f"TTFT {out.ttft * 1000:.1f} ms")
-        if out.mean_token_latency:
-            parts.append(f"{1.0 / out.mean_token_latency:.1f} tokens/s after the first")
-        reason = getattr(out.finish_reason, "value", out.finish_reason)
-        if reason:
-            parts.append(f"finish: {reason}")
-        return TextResult(out.text, ", ".join(parts))
+        out = self._llm.complete(prompt, tokens, temperature)
+        return TextResult(out.text, out.stats_text)
+
+    def close(self) -> None:
+        """Stop the LLM's engine thread (when it was started); idempotent."""
+        if self._llm is not None:
+            self._llm.close()
 
 
 def audit_summary(report) -> str:

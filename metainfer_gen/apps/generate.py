@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from metainfer_gen.apps.llm_args import add_llm_engine_arguments, engine_options
+from metainfer_gen.apps.llm_args import add_llm_engine_arguments, add_tp_argument, engine_options
 
 
 def add_generate_parser(subparsers) -> None:
@@ -23,17 +23,20 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weights and activations (default float32 on CPU, bfloat16 on CUDA)")
     add_llm_engine_arguments(p)
+    add_tp_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(func=cmd_generate)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from metainfer_gen.pipelines.text_generation import TextGenerationPipeline
+    from metainfer_gen.apps.tp_launch import tensor_parallel_pipeline
 
-    pipe = TextGenerationPipeline.from_pretrained(args.model, device=args.device, torch_dtype=args.dtype,
-                                                  **engine_options(args))
-    outputs = pipe(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed)
+    with tensor_parallel_pipeline(args.tp, args.model, device=args.device, torch_dtype=args.dtype,
+                                  **engine_options(args)) as pipe:
+        if pipe is None:  # a worker rank under torchrun: it stepped with rank 0, which prints
+            return 0
+        outputs = pipe(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     for prompt, out in zip(args.prompt, outputs):
         if args.json:
             print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,

@@ -16,7 +16,9 @@ from metainfer_gen.apps.demo_backend import IMAGE_TO_VIDEO, TEXT_TO_VIDEO, DemoB
 VIDEO_TABS = {TEXT_TO_VIDEO: ("t2v", "Text to video"), IMAGE_TO_VIDEO: ("i2v", "Image to video")}
 LLM_TAB = ("llm", "LLM")
 DEFAULT_CACHE = "auto"
-CONCURRENCY = {"video": 1, "llm": 1}  # pipelines are not thread-safe: one call at a time per model
+# Video pipelines are not thread-safe: one call at a time. LLM calls queue on the async front, whose engine batches
+# them, so as many run as the engine decodes at once (more wait in the engine's queue, not Gradio's).
+CONCURRENCY = {"video": 1}
 
 
 def _gradio():
@@ -137,7 +139,7 @@ def _llm_tab(backend: DemoBackend) -> None:
         return result.text, result.stats_text
 
     button.click(_errors_to_page(llm_generate), [prompt, tokens, temperature], [text, stats], concurrency_id="llm",
-                 concurrency_limit=CONCURRENCY["llm"], api_name="llm_generate")
+                 concurrency_limit=backend.llm.engine.config.max_num_seqs, api_name="llm_generate")
 
 
 def build_app(backend: DemoBackend) -> Any:

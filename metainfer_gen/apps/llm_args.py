@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from metainfer_gen.apps.arg_types import positive_int
+
 
 def add_llm_engine_arguments(p: argparse.ArgumentParser) -> None:
     """``--quantization`` and ``--kv-cache-dtype`` (read back with :func:`engine_options`)."""
@@ -14,6 +16,13 @@ def add_llm_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="fp8: the latent KV cache in float8_e4m3fn, half the bytes of bf16 (default auto: the run "
                         "dtype)")
+
+
+def add_tp_argument(p: argparse.ArgumentParser) -> None:
+    """``--tp N``: tensor-parallel ranks, started by this command (or torchrun's, see ``apps/tp_launch.py``)."""
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor-parallel ranks splitting the model (default 1); this command starts ranks 1..N-1 "
+                        "on this host, or runs under torchrun --nproc-per-node N; rank 0 prints or serves")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -5,9 +5,11 @@
     metainfer-gen serve --llm none --video DIR --video-workers 2 --data-dir jobs/   # video only
     metainfer-gen serve --llm CKPT --port 8001 --api-key SECRET --max-num-seqs 32
     metainfer-gen serve --host 0.0.0.0                # reachable from the network: set an API key too
+    metainfer-gen serve --llm CKPT --tp 2             # 2 tensor-parallel ranks; rank 0 serves HTTP
 
-Needs the serve extra: ``pip install 'metainfer-gen[serve]'``. Tensor parallelism (torchrun) and FP8 flags are
-not wired here yet; the engine supports them through the Python API.
+Needs the serve extra: ``pip install 'metainfer-gen[serve]'``. With ``--tp N`` this command starts ranks 1..N-1
+itself (or runs under ``torchrun --nproc-per-node N``): every rank steps the engine, rank 0 serves
+(``apps/tp_launch.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import sys
 
 from metainfer_gen.apps.arg_types import port, positive_int
-from metainfer_gen.apps.llm_args import add_llm_engine_arguments, engine_options
+from metainfer_gen.apps.llm_args import add_llm_engine_arguments, add_tp_argument, engine_options
 from metainfer_gen.apps.video_serve_args import NONE, add_video_serve_arguments, video_serve_config
 
 DEFAULT_PORT = 8000
@@ -59,13 +61,16 @@ def add_serve_parser(subparsers) -> None:
                    help="weights and activations (default float32 on CPU, bfloat16 on CUDA)")
     add_llm_engine_arguments(p)
     add_video_serve_arguments(p)
+    add_tp_argument(p)
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
                    help="uvicorn's log level (default info, with an access log)")
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from metainfer_gen.serve.server import LLMServer, ServeConfig, bind_socket, require_serve_dependencies
+    from metainfer_gen.apps.tp_launch import tensor_parallel_pipeline
+    from metainfer_gen.serve.server import (LLMServer, ServeConfig, bind_socket, pipeline_options,
+                                            require_serve_dependencies)
 
     try:
         require_serve_dependencies()
@@ -74,11 +79,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     engine = {name: getattr(args, name) for name in ("max_model_len", "num_kv_blocks", "device", "dtype")
               if getattr(args, name) is not None} | engine_options(args)
-    try:
-        video = video_serve_config(args)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    if args.llm == NONE and args.tp > 1:
+        print("error: --tp applies to the LLM and --llm none serves none: drop --tp or name an --llm", file=sys.stderr)
         return 2
+    if args.tp > 1 and os.environ.get("RANK", "0") != "0":
+        video = None  # a torchrun worker rank only steps the LLM engine: rank 0 serves (and renders) alone
+    else:
+        try:
+            video = video_serve_config(args)
+        except (FileNotFoundError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     if args.llm == NONE and video is None:
         print("error: --llm none and --video none leave nothing to serve", file=sys.stderr)
         return 2
@@ -91,5 +102,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"error: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
-    LLMServer.run_forever(config, log_level=args.log_level)
+    if not config.with_llm:
+        LLMServer.run_forever(config, log_level=args.log_level)
+        return 0
+    with tensor_parallel_pipeline(args.tp, config.llm, **pipeline_options(config)) as pipe:
+        if pipe is not None:  # rank 0; the other ranks followed its steps until it stopped
+            LLMServer.run_forever(config, log_level=args.log_level, pipe=pipe)
     return 0

@@ -11,6 +11,7 @@ function is decorated (``triton.jit`` reads ``knobs.runtime.interpret``), and te
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from typing import Any, Callable
@@ -24,10 +25,12 @@ __all__ = [
     "FLOAT_DTYPES",
     "MAX_FUSED_ROW_BYTES",
     "CompiledPath",
+    "compiles_frozen",
     "contiguous_refusal",
     "dtype_refusal",
     "first_refusal",
     "lazy_triton_kernel",
+    "no_new_compiles",
     "pow2_at_least",
     "row_bytes_refusal",
     "triton_refusal",
@@ -161,6 +164,31 @@ def _max_combine(tl) -> Any:
     return maximum
 
 
+_compile_state = threading.local()
+
+
+@contextlib.contextmanager
+def no_new_compiles():
+    """In this block, on this thread, compiled paths run only the input signatures they have already compiled;
+    a new one runs eager and the audit says why.
+
+    An engine that warmed its compiled paths at start-up steps inside this block, so no request ever waits the
+    1-27 s of a compile for a shape the warm-up did not foresee. Thread-local: another thread's work (a video
+    pipeline beside the LLM in the demo) still compiles what it meets.
+    """
+    previous = compiles_frozen()
+    _compile_state.frozen = True
+    try:
+        yield
+    finally:
+        _compile_state.frozen = previous
+
+
+def compiles_frozen() -> bool:
+    """True inside :func:`no_new_compiles` on this thread (part of the dispatch cache's environment key)."""
+    return getattr(_compile_state, "frozen", False)
+
+
 def _signature(args: tuple, kwargs: dict) -> tuple:
     def one(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -211,6 +239,9 @@ class CompiledPath:
             return f"{first.numel()} elements, below {self.min_numel} where compiled beats eager"
         signature = _signature(args, kwargs)
         if signature not in self._signatures:
+            if compiles_frozen():
+                return ("a new input signature after warm-up (no_new_compiles): eager, so no request waits for a "
+                        "compile")
             import torch._dynamo.config as dynamo_config
 
             limit = int(getattr(dynamo_config, "recompile_limit", getattr(dynamo_config, "cache_size_limit", 8)))

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from metainfer_gen import platform
+from metainfer_gen.kernels.common import compiles_frozen
 
 __all__ = ["MAX_DECISIONS", "call_site", "environment", "signature_key"]
 
@@ -78,9 +79,11 @@ def environment() -> tuple:
     """The machine state the predicates read; a cached decision is valid only while this compares equal.
 
     ``triton_installed()`` is called (its answer is cached in :mod:`~metainfer_gen.platform`, so this is cheap):
-    keying on the function object would keep a decision made before triton was installed, or removed.
+    keying on the function object would keep a decision made before triton was installed, or removed. Inside
+    :func:`~metainfer_gen.kernels.common.no_new_compiles` compiled paths refuse new shapes, so that is state too.
     """
-    return (os.environ.get("TRITON_INTERPRET"), platform.capabilities(), platform.triton_installed())
+    return (os.environ.get("TRITON_INTERPRET"), platform.capabilities(), platform.triton_installed(),
+            compiles_frozen())
 
 
 # id(code object) -> (code object, {line: site}); the code object is kept so that an id is never reused.

@@ -189,6 +189,12 @@ class BlockManager:
         block.token_ids = ()
         block.parent_hash = _NO_HASH
 
+    def scratch_blocks(self, num_blocks: int) -> list[int]:
+        """Ids of up to ``num_blocks`` free blocks that hold no registered prefix, without taking them: writing
+        them loses nothing (the engine's warm-up fills them with dummy KV; the next allocation overwrites it)."""
+        ids = [b for b in self._free if self.blocks[b].hash is None]
+        return ids[:num_blocks]
+
     def reset_prefix_cache(self) -> None:
         """Forget every registered prefix (blocks in use keep their content)."""
         for block in self.blocks:

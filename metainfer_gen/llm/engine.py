@@ -11,6 +11,7 @@ checks and outputs follow vLLM. Correctness reference: transformers' ``generate`
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Sequence as SequenceABC
 from pathlib import Path
@@ -73,6 +74,7 @@ class LLMEngine:
                                   and config.tensor_parallel_size == 1,
                                   max_num_seqs=config.max_num_seqs, max_model_len=max_model_len)
         self._requests: dict[str, Sequence] = {}
+        self.compile_guard = contextlib.nullcontext  # every step runs in it: no_new_compiles once warmed up
 
     # -- construction ---------------------------------------------------------------------------------------
     @classmethod
@@ -164,12 +166,30 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     # -- running --------------------------------------------------------------------------------------------
+    def warmup(self):
+        """Run the step shapes the scheduler can produce once (a full-budget prefill, decode batches up to
+        ``max_num_seqs``) on scratch KV blocks, so their compiled paths are built now; later steps compile nothing
+        new (:mod:`metainfer_gen.llm.warmup`). Leaves no request, cached prefix or counter behind.
+
+        Returns:
+            a :class:`~metainfer_gen.llm.warmup.WarmupReport`.
+        Raises:
+            RuntimeError: requests are open.
+        """
+        from metainfer_gen.kernels.common import no_new_compiles
+        from metainfer_gen.llm.warmup import warm_up
+
+        report = warm_up(self)
+        self.compile_guard = no_new_compiles
+        return report
+
     def step(self) -> list[RequestOutput]:
         """One scheduler step + forward. Returns an output for every request that got a token this step."""
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        sampled = self.runner.run(out)
+        with self.compile_guard():
+            sampled = self.runner.run(out)
         now = time.perf_counter()
         finished = {s.seq_id for s in self.scheduler.update(out, sampled, now)}
         outputs = []

@@ -71,7 +71,7 @@ class TextGenerationPipeline:
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | Path | None = None, *, device: str | None = None,
-                        torch_dtype=None, **engine_kwargs) -> "TextGenerationPipeline":
+                        torch_dtype=None, warmup: bool = False, **engine_kwargs) -> "TextGenerationPipeline":
         """Load the embedded LLM (no argument), a checkpoint directory, or a hub id.
 
         Args:
@@ -80,6 +80,8 @@ class TextGenerationPipeline:
             device: "cpu", "cuda", ...; default CUDA when available.
             torch_dtype: torch.float32 / torch.bfloat16 / torch.float16 or its name; default float32 on CPU,
                 bfloat16 on CUDA.
+            warmup: run :meth:`~metainfer_gen.llm.engine.LLMEngine.warmup` after loading (seconds at start-up,
+                so that no later call waits for a compile; the CLI and the server do).
             engine_kwargs: :class:`~metainfer_gen.llm.config.EngineConfig` fields (``block_size``,
                 ``max_num_seqs``, ``enable_prefix_caching``, ...).
         Raises:
@@ -92,7 +94,10 @@ class TextGenerationPipeline:
         config = EngineConfig(device=device, dtype=dtype, **engine_kwargs)
         path = resolve_checkpoint(pretrained_model_name_or_path or default_llm_dir())
         trained = trained_context(path)  # a bad settings file fails before the weights load
-        return cls(LLMEngine.from_pretrained(path, config), trained_context=trained)
+        engine = LLMEngine.from_pretrained(path, config)
+        if warmup:
+            engine.warmup()
+        return cls(engine, trained_context=trained)
 
     @property
     def tokenizer(self):

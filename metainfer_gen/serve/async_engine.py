@@ -26,51 +26,10 @@ from dataclasses import dataclass, field
 
 from metainfer_gen.llm.detokenizer import IncrementalDetokenizer
 from metainfer_gen.llm.sequence import SamplingParams
+from metainfer_gen.serve.streams import RequestStream, StreamEvent, put_all, resolve
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
-
-
-@dataclass(slots=True)
-class StreamEvent:
-    """What one engine step gave one request.
-
-    Attributes:
-        text: new text (may be "" while an incomplete character or a possible stop string is held back).
-        num_new_tokens: tokens this step added.
-        finished: last event of the request; ``finish_reason`` is then "stop", "length", "abort" (aborted, e.g.
-            the client went away) or "error" (``error`` says why).
-        num_prompt_tokens, num_output_tokens: counts so far (usage).
-    """
-
-    text: str
-    num_new_tokens: int
-    finished: bool = False
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    error: str | None = None
-
-
-@dataclass(eq=False)
-class RequestStream:
-    """One request's events, in order; iterate with ``async for`` (ends after the finished event)."""
-
-    request_id: str
-    num_prompt_tokens: int
-    _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    done: bool = False
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> StreamEvent:
-        if self.done:
-            raise StopAsyncIteration
-        event = await self._queue.get()
-        self.done = event.finished
-        return event
 
 
 @dataclass(eq=False)
@@ -104,6 +63,9 @@ class AsyncLLMEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._requests: dict[str, _Request] = {}
+        # Events of one engine step, per event loop, handed over in one call: a call_soon_threadsafe per event
+        # wakes the loop (a self-pipe write) once per request per step.
+        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}
         self._closing = False
         self.num_steps = 0
         self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
@@ -160,7 +122,9 @@ class AsyncLLMEngine:
     # -- the engine thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            if not self._apply_commands():
+            running = self._apply_commands()
+            self._flush()
+            if not running:
                 return
             if not self.engine.has_unfinished_requests:
                 self._wake.wait(self._idle_wait_s)
@@ -184,6 +148,7 @@ class AsyncLLMEngine:
                     log.exception("delivering request %s failed", output.request_id)
                     if output.request_id in self._requests:
                         self._abort(output.request_id, "error", f"delivering the output failed: {exc}")
+            self._flush()
 
     def _apply_commands(self) -> bool:
         """Apply queued commands; False once closed."""
@@ -212,16 +177,16 @@ class AsyncLLMEngine:
                 return
             if command[0] == "add":
                 request, accepted = command[1], command[-1]
-                request.loop.call_soon_threadsafe(_resolve, accepted, RuntimeError("the engine front is closed"))
+                request.loop.call_soon_threadsafe(resolve, accepted, RuntimeError("the engine front is closed"))
 
     def _add(self, request: _Request, token_ids: list[int], params: SamplingParams, accepted) -> None:
         try:
             self.engine.add_request(token_ids, params, request_id=request.stream.request_id)
         except Exception as exc:  # ValueError / RequestRejected: the caller's 400; anything else its 500
-            request.loop.call_soon_threadsafe(_resolve, accepted, exc)
+            request.loop.call_soon_threadsafe(resolve, accepted, exc)
             return
         self._requests[request.stream.request_id] = request
-        request.loop.call_soon_threadsafe(_resolve, accepted, None)
+        request.loop.call_soon_threadsafe(resolve, accepted, None)
         if self.metrics is not None:
             self.metrics.on_added(len(token_ids))
             self.metrics.on_step(self.engine)
@@ -266,16 +231,13 @@ class AsyncLLMEngine:
             event.finished, event.finish_reason, event.error = True, finish_reason, error
             if self.metrics is not None:
                 self.metrics.on_finished(finish_reason, time.perf_counter() - request.arrival)
-        try:
-            request.loop.call_soon_threadsafe(request.stream._queue.put_nowait, event)
-        except RuntimeError:  # the event loop is gone (server shut down): nobody is listening
-            pass
+        self._outbox.setdefault(request.loop, []).append((request.stream._queue, event))
 
-
-def _resolve(future: asyncio.Future, exc: BaseException | None) -> None:
-    if future.done():  # the caller was cancelled meanwhile
-        return
-    if exc is None:
-        future.set_result(None)
-    else:
-        future.set_exception(exc)
+    def _flush(self) -> None:
+        """Hand the queued events to their event loops, one call per loop."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(put_all, items)
+            except RuntimeError:  # the event loop is gone (server shut down): nobody is listening
+                pass

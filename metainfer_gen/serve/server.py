@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -51,6 +52,10 @@ class ServeConfig:
             ``max_model_len``, ``device``, ``dtype``, ...).
         with_llm: False serves no LLM (``--llm none``).
         video: a :class:`~metainfer_gen.serve.video.service.VideoServeConfig` to serve ``/v1/videos`` too, or None.
+        switch_interval_s: the process's GIL switch interval while serving (``sys.setswitchinterval``; None keeps
+            Python's 5 ms). The engine thread releases the GIL in every torch op and then waits for the event loop
+            to hand it back: a 64-request embedded-LLM batch took 0.80 s served at 5 ms and 0.70 s at 0.5 ms
+            (0.3 s offline; benchmarks/serve_profile.py, docs/benchmarks.md#serving).
     Raises:
         ValueError: a port outside [0, 65535], or non-positive limits.
     """
@@ -65,6 +70,7 @@ class ServeConfig:
     engine: dict = field(default_factory=dict)
     with_llm: bool = True
     video: object = None
+    switch_interval_s: float | None = 0.0005
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -88,8 +94,10 @@ class LLMServer:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def load(cls, config: ServeConfig) -> "LLMServer":
-        """Bind the port, load the model, build the app, then listen (uvicorn accepts once it runs).
+    def load(cls, config: ServeConfig, pipe=None) -> "LLMServer":
+        """Bind the port, load the model (unless ``pipe``, a loaded and warmed-up
+        :class:`~metainfer_gen.pipelines.TextGenerationPipeline`, is given), build the app, then listen (uvicorn
+        accepts once it runs).
 
         Raises:
             ImportError: the serve extra is missing. OSError: the address is taken or not this machine's.
@@ -98,8 +106,10 @@ class LLMServer:
         require_serve_dependencies()
         AppSettings("x", config.api_key, config.max_body_bytes)  # check the key and limits before loading
         sock = bind_socket(config.host, config.port)
+        if config.switch_interval_s is not None:
+            sys.setswitchinterval(config.switch_interval_s)
         try:
-            server = cls._load(config, sock)
+            server = cls._load(config, sock, pipe)
         except BaseException:
             sock.close()
             raise
@@ -107,7 +117,7 @@ class LLMServer:
         return server
 
     @classmethod
-    def _load(cls, config: ServeConfig, sock: socket.socket) -> "LLMServer":
+    def _load(cls, config: ServeConfig, sock: socket.socket, pipe=None) -> "LLMServer":
         from metainfer_gen.pipelines.text_generation import TextGenerationPipeline, default_llm_dir
         from metainfer_gen.serve.async_engine import AsyncLLMEngine
         from metainfer_gen.serve.metrics import ServerMetrics
@@ -119,8 +129,8 @@ class LLMServer:
         if config.with_llm:
             path = Path(config.llm) if config.llm is not None else default_llm_dir()
             name = config.served_model_name or (path.name if path.exists() else str(config.llm))
-            pipe = TextGenerationPipeline.from_pretrained(config.llm, max_num_seqs=config.max_num_seqs,
-                                                          **config.engine)
+            if pipe is None:
+                pipe = TextGenerationPipeline.from_pretrained(config.llm, warmup=True, **pipeline_options(config))
             metrics = ServerMetrics(name)
             front = AsyncLLMEngine(pipe.engine, metrics)
         try:
@@ -153,9 +163,10 @@ class LLMServer:
 
     # -- running ----------------------------------------------------------------------------------------------
     @classmethod
-    def run_forever(cls, config: ServeConfig, log_level: str = "info") -> None:
-        """Load, bind and serve until Ctrl-C / SIGTERM (uvicorn's signal handling), then close the engine."""
-        server = cls.load(config)
+    def run_forever(cls, config: ServeConfig, log_level: str = "info", pipe=None) -> None:
+        """Load (or take ``pipe``), bind and serve until Ctrl-C / SIGTERM (uvicorn's signal handling), then close
+        the engine thread."""
+        server = cls.load(config, pipe)
         print(f"serving {server.model_name!r} on {server.base_url} (OpenAI API; /health, /metrics)", flush=True)
         try:
             server._uvicorn_server(log_level).run(sockets=[server._socket])
@@ -199,6 +210,15 @@ class LLMServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def pipeline_options(config: ServeConfig) -> dict:
+    """``TextGenerationPipeline.from_pretrained`` keywords for ``config`` (``engine``'s ``dtype`` becomes
+    ``torch_dtype``, the pipeline's name for it)."""
+    options = dict(config.engine, max_num_seqs=config.max_num_seqs)
+    if "dtype" in options:
+        options["torch_dtype"] = options.pop("dtype")
+    return options
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

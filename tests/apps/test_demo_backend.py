@@ -136,13 +136,52 @@ def test_llm_completion_reports_ttft_and_tokens_per_second(text_checkpoint, tmp_
 
     _, tokenizer, path = text_checkpoint
     llm = pipelines.TextGenerationPipeline.from_pretrained(path, device="cpu")
+    expected = tokenizer.decode(llm("the quick brown fox", max_new_tokens=6).token_ids)
     backend = DemoBackend(t2v=None, i2v=None, llm=llm, output_dir=tmp_path, limits=DemoLimits(max_new_tokens=8))
-    result = backend.generate_text("the quick brown fox", 6, 0.0)
-    assert result.stats_text.startswith("6 tokens, TTFT ") and "tokens/s after the first, finish: length" in \
-        result.stats_text
-    assert result.text == tokenizer.decode(llm("the quick brown fox", max_new_tokens=6).token_ids)
-    with pytest.raises(InputError, match="max_new_tokens=9 is outside this demo's range 1..8"):
-        backend.generate_text("the quick brown fox", 9, 0.0)
+    try:
+        result = backend.generate_text("the quick brown fox", 6, 0.0)
+        assert result.stats_text.startswith("6 tokens, TTFT ") and "tokens/s after the first, finish: length" in \
+            result.stats_text
+        assert result.text == expected
+        with pytest.raises(InputError, match="max_new_tokens=9 is outside this demo's range 1..8"):
+            backend.generate_text("the quick brown fox", 9, 0.0)
+    finally:
+        backend.close()
+    assert not backend._llm._front  # closed: the engine thread is gone
+
+
+def test_concurrent_llm_requests_share_engine_steps_and_answer_as_alone(text_checkpoint, tmp_path):
+    import threading
+    import time
+
+    from metainfer_gen import pipelines
+
+    llm = pipelines.TextGenerationPipeline.from_pretrained(text_checkpoint[2], device="cpu")
+    prompts = ["the quick brown fox", "hello world"]
+    backend = DemoBackend(t2v=None, i2v=None, llm=llm, output_dir=tmp_path, limits=DemoLimits(max_new_tokens=8))
+    batch_sizes, run = [], llm.engine.runner.run
+
+    def slow_run(out):  # 20 ms a step: both requests are surely queued before the first one ends
+        batch_sizes.append(len(out.scheduled))
+        time.sleep(0.02)
+        return run(out)
+
+    try:
+        alone = [backend.generate_text(p, 8, 0.0).text for p in prompts]
+        llm.engine.runner.run = slow_run
+        results: dict[int, str] = {}
+        threads = [threading.Thread(target=lambda i=i: results.update({i: backend.generate_text(prompts[i], 8,
+                                                                                                0.0).text}))
+                   for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+    finally:
+        backend.close()
+    assert [results[0], results[1]] == alone
+    assert max(batch_sizes) == 2 and len(batch_sizes) < 2 * 8  # one forward for both; fewer steps than in turn
 
 
 def demo_args(**overrides) -> argparse.Namespace:

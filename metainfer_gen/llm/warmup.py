@@ -1,0 +1,92 @@
+"""Start-up warm-up: run the step shapes the scheduler can produce once, so no request pays a compile.
+
+The engine's fused CPU paths (``kernels.rms_norm``, ``kernels.rope``, ...) are ``torch.compile``'d with static
+shapes from a size threshold up (:class:`~metainfer_gen.kernels.common.CompiledPath`); the first step of each new
+size stalls for the compile (1-3 s; 17-27 s for the first compile in a process). On the random-large DeepSeek-V3
+of ``benchmarks/serve_llm.py`` exactly two graphs compile: the ``kv_a_layernorm`` RMSNorm on (2048, 512) and the
+query RoPE on (2048, 8, 64), both at a full 2,048-token step (``max_num_batched_tokens``), which the first
+64-prompt batch meets some seconds in. The warm-up runs
+
+- one full-budget prefill step (``max_num_batched_tokens`` tokens, split into prompts the context allows), the one
+  large size that recurs (every chunked-prefill step of a busy engine);
+- decode steps over a ladder of batch sizes up to ``max_num_seqs`` (1, 2, 4, ..., ``max_num_seqs``);
+
+on scratch KV blocks (free and holding no cached prefix), outside the scheduler: no request, block, prefix-cache
+entry or counter changes. Afterwards :meth:`LLMEngine.step` runs inside
+:func:`~metainfer_gen.kernels.common.no_new_compiles`, so a size the warm-up did not run (a partial last chunk of
+more than the threshold) runs eager instead of compiling. Dynamic shapes would compile once for all sizes, but
+the dynamic-shape kernels measured slower than eager on this CPU (see ``CompiledPath``). Under tensor
+parallelism every rank runs the same plan, so the collectives match.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from metainfer_gen.llm.scheduler import ScheduledSequence, SchedulerOutput
+from metainfer_gen.llm.sequence import SamplingParams, Sequence
+from metainfer_gen.llm.static_decode import batch_size_ladder
+
+_GREEDY = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupReport:
+    """What :func:`warm_up` ran.
+
+    Attributes:
+        prefill_tokens: tokens of each prefill step run.
+        decode_batches: sequences in each decode step run.
+        num_graphs_compiled: graphs torch.compile built during the warm-up (dynamo's ``unique_graphs``).
+        seconds: wall time of the warm-up.
+    """
+
+    prefill_tokens: tuple[int, ...]
+    decode_batches: tuple[int, ...]
+    num_graphs_compiled: int
+    seconds: float
+
+
+def prefill_split(num_tokens: int, max_prompt_len: int) -> list[int]:
+    """``num_tokens`` as prompt lengths of at most ``max_prompt_len`` (a step's tokens from several prompts)."""
+    full, rest = divmod(num_tokens, max_prompt_len)
+    return [max_prompt_len] * full + ([rest] if rest else [])
+
+
+def warm_up(engine) -> WarmupReport:
+    """Run the warm-up plan on ``engine`` (an :class:`~metainfer_gen.llm.engine.LLMEngine` with no request open).
+
+    Raises:
+        RuntimeError: requests are queued or running (warm up before serving).
+    """
+    if engine.has_unfinished_requests:
+        raise RuntimeError("warm up before adding requests: the engine has unfinished requests")
+    from torch._dynamo.utils import counters
+
+    config, block_size = engine.config, engine.config.block_size
+    scratch = engine.block_manager.scratch_blocks(engine.block_manager.num_blocks)
+    capacity = len(scratch) * block_size
+    start, graphs = time.perf_counter(), counters["stats"]["unique_graphs"]
+    prefills = []
+    budget = min(config.max_num_batched_tokens, capacity)
+    if budget > 0:
+        _run(engine, [(n, n) for n in prefill_split(budget, engine.max_model_len - 1)], scratch)
+        prefills.append(budget)
+    decodes = [n for n in batch_size_ladder(config.max_num_seqs) if n * block_size <= capacity]
+    for num_seqs in decodes:
+        _run(engine, [(block_size, 1)] * num_seqs, scratch)
+    return WarmupReport(tuple(prefills), tuple(decodes), counters["stats"]["unique_graphs"] - graphs,
+                        time.perf_counter() - start)
+
+
+def _run(engine, shapes: list[tuple[int, int]], scratch: list[int]) -> None:
+    """One step of sequences ``(length, new tokens)`` (the new tokens end the sequence, so every one samples),
+    their KV written into ``scratch`` blocks."""
+    block_size, blocks, vocab = engine.config.block_size, iter(scratch), engine.model.config.vocab_size
+    out = SchedulerOutput()
+    for length, num_new in shapes:
+        seq = Sequence([(3 + 7 * i) % vocab for i in range(length)], _GREEDY, request_id="warmup")
+        seq.block_table = [next(blocks) for _ in range(-(-length // block_size))]
+        out.scheduled.append(ScheduledSequence(seq, length - num_new, num_new))
+    engine.runner.run(out)
