@@ -55,7 +55,7 @@ class ServeConfig:
         switch_interval_s: the process's GIL switch interval while serving (``sys.setswitchinterval``; None keeps
             Python's 5 ms). The engine thread releases the GIL in every torch op and then waits for the event loop
             to hand it back: a 64-request embedded-LLM batch took 0.80 s served at 5 ms and 0.70 s at 0.5 ms
-            (0.3 s offline; benchmarks/serve_profile.py, docs/benchmarks.md#serving).
+            (0.3 s offline; benchmarks/serve_profile.py, docs/benchmarks_serving.md#serving).
     Raises:
         ValueError: a port outside [0, 65535], or non-positive limits.
     """

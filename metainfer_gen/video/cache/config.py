@@ -15,7 +15,7 @@ from metainfer_gen.video.cache.signals import SIGNALS
 # T2V / I2V block evaluations of 600): (0.15, 3) 46.9 / 50.8 at 288 / 268, (0.25, 3) 45.7 / 48.8 at 240 / 224,
 # (0.4, 3) 44.1 / 46.8 at 216 / 206 (quality), (0.6, 3) 40.2 / 44.2 at 194 / 192, (0.9, 4) 37.2 / 40.9 at 168
 # (balanced), (1.3, 4) 35.3 / 38.5 at 168, (2.0, 6) 31.6 / 35.0 at 132, (3.0, 6) 30.0 / 33.6 at 132 (fast).
-# Training prompts score lower than the held-out ones (docs/benchmarks.md).
+# Training prompts score lower than the held-out ones (docs/benchmarks_video.md#step-cache).
 PRESETS: dict[str, tuple[float, int]] = {
     "quality": (0.4, 3),
     "balanced": (0.9, 4),
