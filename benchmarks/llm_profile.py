@@ -1,0 +1,54 @@
+"""Where one offline batch of the engine spends its time: ``torch.profiler`` over ``LLMEngine.generate``.
+
+    OMP_NUM_THREADS=1 python benchmarks/llm_profile.py                  # serve_llm.py's random-large, 64 prompts
+    OMP_NUM_THREADS=1 python benchmarks/llm_profile.py --num-prompts 16 --rows 40
+
+The model is serve_llm.py's random-large DeepSeek-V3 (576-wide latent), saved once under ``--workdir``; prompts are
+random token ids of 64-512 tokens with 32 greedy output tokens (``ignore_eos``), as that benchmark's C=64 batch. The
+engine is warmed up and runs one unprofiled batch first, so the profiled batch pays no compile. Prints the
+unprofiled and profiled batch seconds and the ops by self CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_models import build_random_large, random_prompts  # noqa: E402
+
+from metainfer_gen.llm.sequence import SamplingParams  # noqa: E402
+from metainfer_gen.pipelines.text_generation import TextGenerationPipeline  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", default="/tmp/llm_profile", help="where the random checkpoint is saved")
+    parser.add_argument("--num-prompts", type=int, default=64, help="prompts in the batch (default 64)")
+    parser.add_argument("--output-len", type=int, default=32, help="greedy tokens per prompt (default 32)")
+    parser.add_argument("--rows", type=int, default=15, help="ops printed (default 15)")
+    args = parser.parse_args(argv)
+    path = Path(args.workdir) / "random-large"
+    if not (path / "config.json").exists():
+        build_random_large(path)
+    pipe = TextGenerationPipeline.from_pretrained(str(path), warmup=True, max_num_seqs=args.num_prompts)
+    params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    batches = [random_prompts(args.num_prompts, 1000, 64, 512, seed) for seed in (1, 2, 3)]  # no shared prefixes
+    pipe.engine.generate(batches[0], params)  # the first batch of a process, kept out of both figures
+    start = time.perf_counter()
+    pipe.engine.generate(batches[1], params)
+    print(f"batch of {args.num_prompts}: {time.perf_counter() - start:.2f} s (unprofiled), "
+          f"threads {torch.get_num_threads()}")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        pipe.engine.generate(batches[2], params)
+        print(f"profiled: {time.perf_counter() - start:.2f} s")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
