@@ -16,6 +16,7 @@ import pytest
 
 from metainfer_gen.apps.cli import main
 from tests.serve.conftest import MODEL
+from tests.serve.processes import stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,12 +37,7 @@ def cli_server():
         assert url is not None, f"the server did not start (exit code {proc.poll()})"
         yield proc, url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_process(proc, 15, 5)
 
 
 def test_cli_serves_on_loopback_with_an_api_key(cli_server):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.serve.processes import stop_process
 from tests.serve.video_helpers import LONG, SHORT, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,16 +41,6 @@ def start_server(model: Path, data_dir: Path, log: Path) -> tuple[subprocess.Pop
     raise AssertionError(f"the server did not start (exit {proc.poll()}): {log.read_text()[-3000:]}")
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -73,7 +64,7 @@ def test_kill_9_while_a_job_runs_then_restart(tiny_wan_dir, tmp_path):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
     finally:
-        stop(proc)
+        stop_process(proc)
     store = JobStore(data / "jobs.sqlite3")
     assert store.get(running).status.value == "in_progress" and store.get(queued).status.value == "queued"
     store.close()
@@ -86,7 +77,7 @@ def test_kill_9_while_a_job_runs_then_restart(tiny_wan_dir, tmp_path):
             listed = [v["id"] for v in http.get("/v1/videos", params={"limit": 10}).json()["data"]]
             assert listed == [queued, running, *reversed(done)]  # newest first
     finally:
-        stop(proc)
+        stop_process(proc)
     assert {v: digest(data / "clips" / f"{v}.mp4") for v in done} == clips
     store = JobStore(data / "jobs.sqlite3")
     try:
