@@ -27,7 +27,7 @@ class KernelAcceleratorsMixin:
         from metainfer_gen.video.fuse import fuse_kernels
         from metainfer_gen.video.fuse.core import is_fused
 
-        with self._embed_memo_lifted():
+        with self._hooks_lifted():
             for model in self._fusable(transformer, vae):
                 if not is_fused(model):
                     fuse_kernels(model, config)
@@ -36,7 +36,7 @@ class KernelAcceleratorsMixin:
         """Take every kernel that :meth:`enable_fused_kernels` swapped in out again."""
         from metainfer_gen.video.fuse import unfuse_kernels
 
-        with self._embed_memo_lifted():
+        with self._hooks_lifted():
             for model in self._fusable(True, True):
                 unfuse_kernels(model)
 
@@ -76,15 +76,20 @@ class KernelAcceleratorsMixin:
         return any(get_embed_memo(model) is not None for model in self.transformers)
 
     @contextmanager
-    def _embed_memo_lifted(self):
-        """The memo off while kernels are (un)fused, then back outermost: ``fuse_kernels`` refuses hooked
-        modules, and a hook removed from under the memo would leave the memo bypassed."""
-        memo = self.embed_memo_enabled
+    def _hooks_lifted(self):
+        """The embed memo and the step cache off while kernels are (un)fused, then back, the cache first and the
+        memo outermost: ``fuse_kernels`` refuses hooked modules, and a hook removed from under another would leave
+        it bypassed. So the accelerators may be enabled in any order."""
+        memo, cache = self.embed_memo_enabled, getattr(self, "step_cache", None)
         if memo:
             self.disable_embed_memo()
+        if cache is not None:
+            cache.remove(self.diffusers_pipeline)
         try:
             yield
         finally:
+            if cache is not None:
+                cache.apply(self.diffusers_pipeline)
             if memo:
                 self.enable_embed_memo()
 
