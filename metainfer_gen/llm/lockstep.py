@@ -29,18 +29,21 @@ IDLE_TIMEOUT = datetime.timedelta(days=7)
 _FOLLOWER_PARAMS = SamplingParams(max_new_tokens=1, temperature=0.0)
 
 
-def plan(out: SchedulerOutput) -> list[tuple[int, int, list[int], list[int]]]:
-    """The step as plain data: ``(seq_id, start, token ids of the step, block table)`` per scheduled sequence."""
+def plan(out: SchedulerOutput) -> list[tuple[int, int, list[int], list[int], int]]:
+    """The step as plain data: ``(seq_id, start, token ids of the step, block table, sequence length)`` per
+    scheduled sequence. The length decides whether the step samples the sequence (a prefill chunk that stops short
+    of the prompt's end does not), and so which rows reach the LM head's gather on every rank."""
     return [(item.seq.seq_id, item.start, item.seq.token_ids[item.start: item.start + item.num_tokens],
-             list(item.seq.block_table)) for item in out.scheduled]
+             list(item.seq.block_table), len(item.seq)) for item in out.scheduled]
 
 
-def rebuild(step: list[tuple[int, int, list[int], list[int]]]) -> SchedulerOutput:
-    """A :class:`SchedulerOutput` with the same inputs as the planned one (tokens before ``start`` are zeros:
-    only the step's tokens, positions and block tables reach the forward)."""
+def rebuild(step: list[tuple[int, int, list[int], list[int], int]]) -> SchedulerOutput:
+    """A :class:`SchedulerOutput` with the same inputs as the planned one: the step's tokens at their positions,
+    the block tables, and sequences of the planned lengths, so each one samples exactly when it does on rank 0
+    (tokens outside the step are zeros: only the step's tokens, positions and block tables reach the forward)."""
     out = SchedulerOutput()
-    for seq_id, start, tokens, block_table in step:
-        seq = Sequence([0] * start + tokens, _FOLLOWER_PARAMS, seq_id=seq_id)
+    for seq_id, start, tokens, block_table, length in step:
+        seq = Sequence([0] * start + tokens + [0] * (length - start - len(tokens)), _FOLLOWER_PARAMS, seq_id=seq_id)
         seq.block_table = block_table
         out.scheduled.append(ScheduledSequence(seq, start, len(tokens)))
     return out

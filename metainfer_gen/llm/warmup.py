@@ -48,10 +48,13 @@ class WarmupReport:
     seconds: float
 
 
-def prefill_split(num_tokens: int, max_prompt_len: int) -> list[int]:
-    """``num_tokens`` as prompt lengths of at most ``max_prompt_len`` (a step's tokens from several prompts)."""
-    full, rest = divmod(num_tokens, max_prompt_len)
-    return [max_prompt_len] * full + ([rest] if rest else [])
+def prefill_split(num_tokens: int, max_prompt_len: int, block_size: int = 1) -> list[int]:
+    """``num_tokens`` as prompt lengths of at most ``max_prompt_len`` (a step's tokens from several prompts), each
+    but the last a whole number of ``block_size`` blocks when the cap allows one, so the prompts take
+    ``ceil(num_tokens / block_size)`` blocks, no more than the tokens fill."""
+    cap = max_prompt_len // block_size * block_size or max_prompt_len
+    full, rest = divmod(num_tokens, cap)
+    return [cap] * full + ([rest] if rest else [])
 
 
 def warm_up(engine) -> WarmupReport:
@@ -70,9 +73,12 @@ def warm_up(engine) -> WarmupReport:
     start, graphs = time.perf_counter(), counters["stats"]["unique_graphs"]
     prefills = []
     budget = min(config.max_num_batched_tokens, capacity)
-    if budget > 0:
-        _run(engine, [(n, n) for n in prefill_split(budget, engine.max_model_len - 1)], scratch)
-        prefills.append(budget)
+    prompts = prefill_split(budget, engine.max_model_len - 1, block_size) if budget > 0 else []
+    while sum(-(-n // block_size) for n in prompts) > len(scratch):  # prompts shorter than a block each take one
+        prompts.pop()
+    if prompts:
+        _run(engine, [(n, n) for n in prompts], scratch)
+        prefills.append(sum(prompts))
     decodes = [n for n in batch_size_ladder(config.max_num_seqs) if n * block_size <= capacity]
     for num_seqs in decodes:
         _run(engine, [(block_size, 1)] * num_seqs, scratch)

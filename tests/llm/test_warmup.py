@@ -64,3 +64,14 @@ def test_warm_up_refuses_an_engine_with_open_requests(moe_checkpoint):
     engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
     with pytest.raises(RuntimeError, match="warm up before adding requests"):
         engine.warmup()
+
+
+def test_the_warm_up_prefill_fits_the_scratch_blocks_it_was_sized_from():
+    """A budget of exactly the scratch capacity splits into prompts that need no more blocks than it has (1023 +
+    1 tokens would need 65 blocks of 16 for 1,024 tokens, and the warm-up would run out)."""
+    from metainfer_gen.llm.warmup import prefill_split
+
+    for budget, max_prompt_len, block_size in ((1024, 1023, 16), (4096, 1023, 16), (100, 7, 16), (2048, 2047, 64)):
+        prompts = prefill_split(budget, max_prompt_len, block_size)
+        assert sum(prompts) == budget and max(prompts) <= max_prompt_len
+        assert sum(-(-n // block_size) for n in prompts) == -(-budget // block_size) or block_size > max_prompt_len

@@ -35,8 +35,8 @@ def gone(pid: int) -> bool:
 
 def test_serve_tp2_answers_as_tp1_and_stops_every_rank(offline):
     expected = [o.text for o in offline(PROMPTS, max_new_tokens=12)]
-    proc = subprocess.Popen(CLI + ["serve", "--tp", "2", "--port", "0", "--num-kv-blocks", "64", "--max-num-seqs",
-                                   "8", "--log-level", "warning"],
+    proc = subprocess.Popen(CLI + ["serve", "--tp", "2", "--video", "none", "--port", "0", "--num-kv-blocks", "64",
+                                   "--max-num-seqs", "8", "--log-level", "warning"],
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     workers: list[int] = []
     try:
