@@ -92,7 +92,7 @@ class ParallelMixin:
         from metainfer_gen.video.rank_agreement import agree_on_call, call_fingerprint, group_handle
 
         site = f"{type(self).__name__}.__call__"
-        sessions = []
+        sessions, given = [], seed is not None
         fingerprint = call_fingerprint({**call_kwargs, "seed": seed}) if self.cfg_parallel or self.context_parallel \
             else None
         if self.context_parallel is not None:
@@ -108,8 +108,10 @@ class ParallelMixin:
             from metainfer_gen.video.cfg_parallel import cfg_parallel_hooks, plan_cfg_parallel
 
             record = plan_cfg_parallel(self.cfg_parallel, self.diffusers_pipeline, call_kwargs.get("guidance_scale"))
+            # After a context-parallel draw each CP group holds its own seed; the CFG group's rank 0 (in the first
+            # branch's CP group) decides, so every rank of the CFG x CP grid ends with that one.
             seed = agree_on_call(group_handle(self.cfg_parallel.group), fingerprint, seed, generator is not None,
-                                 "CFG-parallel")
+                                 "CFG-parallel", drawn=not given)
             sessions.append(("cfg_parallel", cfg_parallel_hooks(self.transformers, record, self.cfg_parallel, site)))
 
         @contextmanager

@@ -44,7 +44,8 @@ def call_fingerprint(call: dict[str, Any]) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
-def agree_on_call(handle, fingerprint: int, seed: int | None, has_generator: bool, what: str) -> int | None:
+def agree_on_call(handle, fingerprint: int, seed: int | None, has_generator: bool, what: str,
+                  drawn: bool = False) -> int | None:
     """Check that every rank of ``handle``'s group makes the same call and give them all one seed.
 
     One all-gather of three int64 values per rank. A call without ``seed`` and ``generator`` would draw different
@@ -54,6 +55,8 @@ def agree_on_call(handle, fingerprint: int, seed: int | None, has_generator: boo
     Args:
         handle: the group (None or one rank: nothing to agree, ``seed`` is returned). what: the feature named in
             the error ("CFG-parallel", "context-parallel").
+        drawn: ``seed`` was drawn by an earlier agreement (another group's rank 0), not given by the caller:
+            it is this rank's candidate, and group rank 0's is used, as for a call without a seed.
     Returns:
         the seed to use (``seed``, or group rank 0's draw).
     Raises:
@@ -74,6 +77,6 @@ def agree_on_call(handle, fingerprint: int, seed: int | None, has_generator: boo
         listed = " and ".join(f"{row[0]:x}" for row in rows)
         raise ValueError(f"{what} ranks were called with different arguments (fingerprints {listed}): every rank "
                          "must make the same pipeline call")
-    if seed is not None or has_generator:
+    if (seed is not None and not drawn) or has_generator:
         return seed
     return rows[0][1]

@@ -30,6 +30,7 @@ def cp_cases(rank: int, world: int, args: dict) -> dict:
     CP groups of ``size``). The layouts share one launch: the default process group outlives each layout's
     collectives. With ``args["clip"]``, also the CLI's single clip with ``--context-parallel``; with
     ``args["prompts"]``, the CLI's batch with ``--context-parallel 2`` (data-parallel groups of 2 CP ranks)."""
+    import torch
     import torch.distributed as dist
 
     from metainfer_gen import collectives
@@ -41,6 +42,9 @@ def cp_cases(rank: int, world: int, args: dict) -> dict:
         t2v = load("TextToVideoPipeline", args["t2v"])
         t2v.enable_context_parallel(size, cfg_parallel=cfg)
         out = {"t2v": render(t2v, T2V_CALL)}
+        if cfg:  # no seed, and each rank's global generator in another state: the grid must agree on one seed
+            torch.manual_seed(1000 + rank)
+            out["unseeded"] = render(t2v, {**T2V_CALL, "seed": None})
         if not cfg:
             i2v = load("ImageToVideoPipeline", args["i2v"])
             i2v.enable_context_parallel(size)

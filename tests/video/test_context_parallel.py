@@ -84,6 +84,11 @@ def test_context_parallel_clip_equals_the_single_process_clip(launches, single, 
         if cfg:  # ranks 0, 1 compute cond, ranks 2, 3 uncond; each exchanges its prediction with its CFG partner
             assert out["layout"]["cfg"] == (rank // size, 2)
             assert out["t2v"]["stats"]["extra"]["cfg_parallel"]["path"] == "cfg_parallel"
+    if cfg:  # a call without a seed: every rank of the CFG x CP grid draws the same noise and renders one clip
+        unseeded = [out["unseeded"] for out in launches[layout].values()]
+        assert len({clip["seed"] for clip in unseeded}) == 1
+        for clip in unseeded[1:]:
+            np.testing.assert_allclose(clip["latents"], unseeded[0]["latents"], atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["cp2", "cp4", "cfg2xcp2"])
