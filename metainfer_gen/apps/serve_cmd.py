@@ -99,8 +99,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          video=video)
     try:
         bind_socket(args.host, args.port).close()  # a taken port fails now, not after the model loaded
+        if video is not None:  # and so does a data folder another server holds
+            from pathlib import Path
+
+            from metainfer_gen.serve.video.service import lock_data_dir
+
+            lock_data_dir(Path(video.data_dir).resolve()).close()
     except OSError as exc:
         print(f"error: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # DataDirInUse
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     if not config.with_llm:
         LLMServer.run_forever(config, log_level=args.log_level)

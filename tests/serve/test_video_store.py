@@ -114,3 +114,18 @@ def test_refusals_name_the_field(body, param):
     with pytest.raises(APIError) as info:
         parse_video_request(body, checks())
     assert info.value.status == 400 and info.value.param == param, info.value.message
+
+
+def test_one_server_per_data_folder(tmp_path, tiny_wan_dir):
+    """A second service on a folder another one holds is refused before it re-queues that one's running jobs; the
+    folder is free again once the first closes."""
+    from metainfer_gen.serve.video.service import DataDirInUse, VideoServeConfig, VideoService
+
+    config = VideoServeConfig(data_dir=tmp_path / "data", limits=small_limits(), model=tiny_wan_dir, num_workers=1)
+    first = VideoService(config)  # no workers started: the folder, its lock and the store
+    try:
+        with pytest.raises(DataDirInUse, match="in use by another server"):
+            VideoService(config)
+    finally:
+        first.close()
+    VideoService(config).close()  # released: a restart on the folder opens it

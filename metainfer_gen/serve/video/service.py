@@ -10,6 +10,7 @@ the queue, half-written clips (the exporter's hidden temporaries) are removed; f
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
 import uuid
@@ -78,8 +79,31 @@ def _model_facts(model) -> tuple[str, Any, dict[str, Any]]:
     return path.name, VideoRules.from_model_dir(path), model_settings(path)
 
 
+class DataDirInUse(RuntimeError):
+    """Another server holds the data folder (its lock file): two would re-queue and render each other's jobs."""
+
+
+def lock_data_dir(path: Path):
+    """The open lock file of ``path`` (``.lock``), held with an exclusive ``flock`` until it is closed; the kernel
+    drops it when the process dies, ``kill -9`` included.
+
+    Raises:
+        DataDirInUse: another process holds it.
+    """
+    path.mkdir(parents=True, exist_ok=True)
+    handle = open(path / ".lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise DataDirInUse(f"the data folder {path} is in use by another server: stop it, or give this one its own "
+                           "--data-dir") from None
+    return handle
+
+
 class VideoService:
-    """The store, the workers and the request checks of one data folder (one server at a time per folder)."""
+    """The store, the workers and the request checks of one data folder (one server at a time per folder, held by
+    :func:`lock_data_dir`)."""
 
     def __init__(self, config: VideoServeConfig):
         from metainfer_gen.video.cache.policies import policy_names
@@ -88,6 +112,7 @@ class VideoService:
         self.data_dir = Path(config.data_dir).resolve()
         for sub in ("", CLIPS, UPLOADS):
             (self.data_dir / sub).mkdir(parents=True, exist_ok=True)
+        self._lock = lock_data_dir(self.data_dir)  # before the re-queue below touches another server's jobs
         self.store = JobStore(self.data_dir / STORE_NAME)
         self.num_requeued = self.store.requeue_interrupted()
         self.store.clear_meta()
@@ -227,3 +252,4 @@ class VideoService:
             self._supervisor.join(timeout_s)
             self._supervisor = None
         self.store.close()
+        self._lock.close()
