@@ -49,14 +49,14 @@ def _build_kernel():
     def paged_mla_decode_kernel(
         q_ptr,  # (B, N, R + P) contiguous absorbed queries
         kv_ptr,  # (S, row) flat cache rows (uint8 e4m3 codes when SOFT_FP8), unit stride in a row, row stride stride_kv
-        table_ptr,  # (B, W) int64 block tables, contiguous
+        table_ptr,  # (B, >= W) int64 block tables, unit stride within a row, row stride W
         lens_ptr,  # (B,) int64 context lengths
         out_ptr,  # (B, N, SPLITS, R) float32 partial outputs (normalised within the split)
         lse_ptr,  # (B, N, SPLITS) float32 log-sum-exp of each split, -inf when it holds no token
         N,
         R,  # value / latent width (kv_lora_rank)
         P,  # rope width (qk_rope_head_dim)
-        W,  # block-table width
+        W,  # block-table row stride (a slice of a wider table, as static decode's buffers, reads in place)
         stride_kv,
         block_size,
         tokens_per_split,
@@ -132,7 +132,8 @@ def paged_mla_decode_triton(q: torch.Tensor, kv_rows: torch.Tensor, block_tables
     partial = torch.empty(batch, heads, splits, value_dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
     launch(_kernel(), (batch, head_programs, splits),
-           q, fp8_bits(kv_rows, soft), block_tables, context_lens, partial, lse, heads, value_dim, dk - value_dim, width,
+           q, fp8_bits(kv_rows, soft), block_tables, context_lens, partial, lse, heads, value_dim, dk - value_dim,
+           block_tables.stride(0),
            kv_rows.stride(0), block_size, per_split, splits, float(scale), UPCAST=upcast, SOFT_FP8=soft,
            **meta)
     weights = torch.softmax(lse, dim=-1)  # exp(lse_s - logsumexp over splits); empty splits weigh 0
@@ -144,7 +145,9 @@ def paged_mla_decode_supports(q, kv_rows, block_tables, context_lens, block_size
     return first_refusal(
         triton_refusal(q, kv_rows, block_tables, context_lens),
         dtype_refusal("q", q),
-        contiguous_refusal("q", q), contiguous_refusal("block_tables", block_tables),
+        contiguous_refusal("q", q),
+        None if block_tables.stride(-1) == 1 else f"block tables are strided within a row "
+                                                  f"(stride {tuple(block_tables.stride())})",
         contiguous_refusal("context_lens", context_lens),
         None if kv_rows.stride(-1) == 1 else f"cache rows are strided (stride {tuple(kv_rows.stride())})",
         None if value_dim <= 1024 else f"kv_lora_rank {value_dim} over 1024: the accumulator would spill",

@@ -70,6 +70,20 @@ def test_triton_matches_reference(interpret, block_size):
     assert_close(paged_mla_triton.paged_mla_decode_triton(q, rows, tables, lens, block_size, rank, 0.3), ref)
 
 
+def test_triton_reads_a_slice_of_a_wider_table_in_place(interpret):
+    """Static decode passes ``block_tables[:size, :width]`` of its buffer: a row stride wider than the slice. The
+    kernel reads it in place (no contiguous copy, no fallback) and answers as on the contiguous table."""
+    q, rows, tables, lens, rank = _inputs(16, lens=(5, 40, 70), heads=4)
+    buffer = torch.full((8, tables.shape[1] + 9), -1, dtype=torch.long)
+    buffer[:3, :tables.shape[1]] = tables
+    sliced = buffer[:3, :tables.shape[1]]
+    assert not sliced.is_contiguous()
+    refusal = paged_mla_triton.paged_mla_decode_supports(q, rows, sliced, lens, 16, rank, 0.3)
+    assert refusal is None or "block" not in refusal  # here only "CPU-only machine"
+    ref = paged_mla.paged_mla_decode_reference(q, rows, tables, lens, 16, rank, 0.3)
+    assert_close(paged_mla_triton.paged_mla_decode_triton(q, rows, sliced, lens, 16, rank, 0.3), ref)
+
+
 @pytest.mark.parametrize("software", [False, True], ids=["fp8", "soft-e4m3"])  # True: the sm_80 path (fp8_codec)
 def test_triton_fp8_cache(interpret, software):
     q, rows, tables, lens, rank = _inputs(16, lens=(5, 70), heads=4, dtype=torch.float8_e4m3fn)
