@@ -24,7 +24,7 @@ async def read_json(request, max_body_bytes: int) -> dict:
     return parse_json_object(await read_body(request, max_body_bytes), request.headers.get("content-type"))
 
 
-async def read_body(request, max_body_bytes: int) -> bytes:
+async def read_body(request, max_body_bytes: int, limit_flag: str = "--max-body-bytes") -> bytes:
     """The request's body, reading at most ``max_body_bytes`` bytes.
 
     Raises:
@@ -33,19 +33,19 @@ async def read_body(request, max_body_bytes: int) -> bytes:
     """
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-        raise _too_large(int(declared), max_body_bytes)
+        raise _too_large(int(declared), max_body_bytes, limit_flag)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > max_body_bytes:
-            raise _too_large(size, max_body_bytes, at_least=True)
+            raise _too_large(size, max_body_bytes, limit_flag, at_least=True)
         chunks.append(chunk)
     return b"".join(chunks)
 
 
-def _too_large(size: int, limit: int, at_least: bool = False) -> APIError:
+def _too_large(size: int, limit: int, limit_flag: str, at_least: bool = False) -> APIError:
     return APIError(413, f"request body of {'more than ' if at_least else ''}{size} bytes exceeds the server's "
-                         f"limit of {limit} bytes (--max-body-bytes)", code="request_too_large")
+                         f"limit of {limit} bytes ({limit_flag})", code="request_too_large")
 
 
 def check_api_key(request, api_key: str | None) -> None:

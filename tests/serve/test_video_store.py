@@ -129,3 +129,14 @@ def test_one_server_per_data_folder(tmp_path, tiny_wan_dir):
     finally:
         first.close()
     VideoService(config).close()  # released: a restart on the folder opens it
+
+
+def test_a_dead_workers_readiness_is_forgotten_alone(tmp_path):
+    store = JobStore(tmp_path / "jobs.sqlite3")
+    try:
+        store.set_meta("ready:0", 101)
+        store.set_meta("ready:1", 102)
+        store.delete_meta("ready:0")
+        assert store.get_meta("ready:0") is None and store.get_meta("ready:1") == 102
+    finally:
+        store.close()

@@ -182,6 +182,10 @@ class JobStore:
     def set_meta(self, key: str, value: Any) -> None:
         self._write("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, json.dumps(value)))
 
+    def delete_meta(self, key: str) -> None:
+        """Forget one reported value (a worker's ``ready:{index}`` when it died)."""
+        self._write("DELETE FROM meta WHERE key = ?", (key,))
+
     def clear_meta(self) -> None:
         """Forget what workers reported (at start-up: the model may have changed since)."""
         self._write("DELETE FROM meta")

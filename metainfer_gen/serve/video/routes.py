@@ -49,7 +49,8 @@ def add_video_routes(app, service, api_key: str | None, max_body_bytes: int) -> 
         media = request.headers.get("content-type", "").split(";")[0].strip().lower()
         image = None
         if media == "multipart/form-data":
-            request._body = await read_body(request, service.config.max_upload_bytes)  # form() reads it from here
+            # form() reads the body from request._body
+            request._body = await read_body(request, service.config.max_upload_bytes, "--max-upload-mb")
             form = await request.form(max_files=1, max_fields=len(FIELDS))
             body = {key: value for key, value in form.items() if key != "input_reference"}
             upload = form.get("input_reference")

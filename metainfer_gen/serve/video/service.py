@@ -161,6 +161,7 @@ class VideoService:
                 if process.is_alive() or process.exitcode is None or self._closing.is_set():
                     continue
                 self.store.fail_running_of(index, f"the worker process exited with code {process.exitcode}")
+                self.store.delete_meta(f"ready:{index}")  # not ready until the replacement has loaded the model
                 if self._restarts[index] < _MAX_RESTARTS:
                     self._restarts[index] += 1
                     self._workers[index] = self._spawn(index)
