@@ -241,6 +241,9 @@ class VideoService:
         ``in_progress`` (the next start re-runs it); a worker still loading its model after ``timeout_s`` seconds
         is killed (it holds no job)."""
         self._closing.set()
+        if self._supervisor is not None:  # first: a restart it is making lands in the list stopped below
+            self._supervisor.join(timeout_s)
+            self._supervisor = None
         if self._stop is not None:
             self._stop.set()
         for process in self._workers:
@@ -249,8 +252,5 @@ class VideoService:
                 process.kill()
                 process.join(timeout_s)
         self._workers = []
-        if self._supervisor is not None:
-            self._supervisor.join(timeout_s)
-            self._supervisor = None
         self.store.close()
         self._lock.close()
