@@ -31,13 +31,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, default=64, help="prompts in the batch (default 64)")
     parser.add_argument("--output-len", type=int, default=32, help="greedy tokens per prompt (default 32)")
     parser.add_argument("--rows", type=int, default=15, help="ops printed (default 15)")
+    parser.add_argument("--prompt-lens", default="64,512", help="prompt lengths lo,hi in tokens (default 64,512; "
+                        "the prefill-heavy row is 512,1024 with --output-len 4)")
+    parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the engine's default)")
     args = parser.parse_args(argv)
     path = Path(args.workdir) / "random-large"
     if not (path / "config.json").exists():
         build_random_large(path)
-    pipe = TextGenerationPipeline.from_pretrained(str(path), warmup=True, max_num_seqs=args.num_prompts)
+    lo, hi = (int(v) for v in args.prompt_lens.split(","))
+    pipe = TextGenerationPipeline.from_pretrained(str(path), warmup=True, max_num_seqs=args.num_prompts,
+                                                  max_model_len=max(1024, hi + args.output_len),
+                                                  torch_dtype=args.dtype)
+    print(f"dtype {pipe.engine.dtype}")
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    batches = [random_prompts(args.num_prompts, 1000, 64, 512, seed) for seed in (1, 2, 3)]  # no shared prefixes
+    batches = [random_prompts(args.num_prompts, 1000, lo, hi, seed) for seed in (1, 2, 3)]  # no shared prefixes
     pipe.engine.generate(batches[0], params)  # the first batch of a process, kept out of both figures
     start = time.perf_counter()
     pipe.engine.generate(batches[1], params)

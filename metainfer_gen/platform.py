@@ -29,6 +29,7 @@ __all__ = [
     "TritonMode",
     "TritonStatus",
     "capabilities",
+    "native_dtype",
     "override_capabilities",
     "refresh_capabilities",
     "triton_installed",
@@ -69,6 +70,9 @@ class Capabilities:
         peer_access: ``(src, dst)`` pairs of GPUs with direct peer-to-peer access; ``num_devices * (num_devices - 1)``
             pairs when every GPU reaches every other.
         cpu_capability: torch's vector ISA for CPU kernels (``AVX2``, ``AVX512`` ...).
+        cpu_matrix: the CPU's bf16 matrix hardware, read from ``/proc/cpuinfo`` flags: ``"amx_bf16"`` (Intel AMX
+            tiles, oneDNN's fastest bf16 path), ``"avx512_bf16"`` (AVX512-BF16 dot products) or ``""`` (none: bf16 is
+            emulated through fp32).
         cxx_compiler: path of the C++ compiler torch.compile's CPU backend (inductor) needs, or None.
         torch_version / torch_cuda / torch_hip: the torch build.
         notes: human-readable caveats gathered while probing.
@@ -83,6 +87,7 @@ class Capabilities:
     fp8_e5m2: bool = False
     peer_access: frozenset[tuple[int, int]] = frozenset()
     cpu_capability: str = ""
+    cpu_matrix: str = ""
     cxx_compiler: str | None = None
     torch_version: str = ""
     torch_cuda: str | None = None
@@ -113,16 +118,19 @@ class Capabilities:
         return [(i, j) for i in range(n) for j in range(n) if i != j and (i, j) not in self.peer_access]
 
 
-def _cpu_has_flag(*flags: str) -> bool:
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("flags"):
-                    present = set(line.split(":", 1)[1].split())
-                    return any(flag in present for flag in flags)
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return frozenset()
+
+
+def _cpu_matrix(flags: frozenset[str]) -> str:
+    return next((flag for flag in ("amx_bf16", "avx512_bf16") if flag in flags), "")
 
 
 def _probe() -> Capabilities:
@@ -137,8 +145,10 @@ def _probe() -> Capabilities:
         torch_cuda=torch.version.cuda,
         torch_hip=torch_hip,
     )
+    matrix = _cpu_matrix(_cpu_flags())
+    kwargs["cpu_matrix"] = matrix
     if not torch.cuda.is_available():
-        native = _cpu_has_flag("avx512_bf16", "amx_bf16")
+        native = bool(matrix)
         if not native:
             notes.append("bf16 on this CPU is emulated (converted to fp32); still far faster than fp16 here")
         else:
@@ -245,10 +255,36 @@ def default_device() -> str:
 
 
 def default_dtype(device) -> "torch.dtype":  # noqa: F821  (torch is imported lazily)
-    """bfloat16 on CUDA, float32 elsewhere (fp16/bf16 matmuls on a CPU are slow or inexact)."""
+    """The video pipelines' default: bfloat16 on CUDA, float32 elsewhere (a video component takes bf16 on a CPU only
+    where its own quality check passes, so the pipelines ask for it per component)."""
     import torch
 
     return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+
+
+DTYPE_ENV = "METAINFER_DEFAULT_DTYPE"  # "auto" (default), "float32" or "bfloat16": the LLM run dtype when none is given
+
+
+def native_dtype(device) -> "torch.dtype":  # noqa: F821
+    """The LLM engine's run dtype when none is asked for: bfloat16 wherever the hardware multiplies it natively
+    (CUDA/ROCm, or a CPU with AMX-BF16 or AVX512-BF16, where oneDNN's bf16 GEMMs run 3-8x an fp32 one), float32 on a
+    CPU that would emulate bf16. The environment variable ``METAINFER_DEFAULT_DTYPE`` (``float32``/``bfloat16``)
+    overrides the choice for a whole process tree (the test suite pins float32 so its token checks do not depend on
+    the machine).
+
+    Raises:
+        ValueError: ``METAINFER_DEFAULT_DTYPE`` set to something else.
+    """
+    import torch
+
+    forced = os.environ.get(DTYPE_ENV, "auto").strip().lower() or "auto"
+    if forced != "auto":
+        if forced not in ("float32", "bfloat16"):
+            raise ValueError(f"{DTYPE_ENV}={forced!r}: use auto, float32 or bfloat16")
+        return getattr(torch, forced)
+    if str(device).startswith("cuda"):
+        return torch.bfloat16
+    return torch.bfloat16 if capabilities().cpu_matrix else torch.float32
 
 
 def looks_like_path(source) -> bool:

@@ -7,9 +7,15 @@ fraction of a second on one CPU thread. Weights are seeded, so every session bui
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# The LLM's default run dtype follows the CPU (bf16 on AMX/AVX512-BF16, fp32 elsewhere): the suite pins float32 for
+# itself and every server it starts, so token checks against transformers do not depend on the machine that runs them.
+# Tests of the automatic choice clear it (tests/test_platform_dtype.py).
+os.environ["METAINFER_DEFAULT_DTYPE"] = "float32"
 
 Z_DIM = 4  # latent channels of the tiny VAE
 

@@ -44,12 +44,14 @@ def task_samples(tokenizer, num_samples: int) -> dict[str, list[Example]]:
     return tasks
 
 
-def evaluate(model_dir: str | None = None, num_samples: int = 50) -> dict[str, float]:
-    """Accuracy per task (0-1), greedy decoding through :class:`~metainfer_gen.llm.engine.LLMEngine`."""
+def evaluate(model_dir: str | None = None, num_samples: int = 50, dtype: str | None = None) -> dict[str, float]:
+    """Accuracy per task (0-1), greedy decoding through :class:`~metainfer_gen.llm.engine.LLMEngine` in ``dtype``
+    ("float32", "bfloat16"; None: the engine's default here)."""
     from metainfer_gen.llm import EngineConfig, LLMEngine
     from metainfer_gen.pipelines.text_generation import default_llm_dir
 
-    engine = LLMEngine.from_pretrained(model_dir or default_llm_dir(), EngineConfig(max_model_len=configs.CONTEXT))
+    engine = LLMEngine.from_pretrained(model_dir or default_llm_dir(), EngineConfig(max_model_len=configs.CONTEXT,
+                                                                                    dtype=dtype))
     return task_accuracy(engine, task_samples(engine.tokenizer, num_samples))
 
 
@@ -73,8 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded LLM)")
     parser.add_argument("--num-samples", type=int, default=50, help="samples per task")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the engine's default here)")
     args = parser.parse_args(argv)
-    results = evaluate(args.model, args.num_samples)
+    results = evaluate(args.model, args.num_samples, args.dtype)
     print(f"{'task':<22} accuracy")
     for name, acc in results.items():
         print(f"{name:<22} {acc:7.1%}")

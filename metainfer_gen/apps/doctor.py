@@ -42,7 +42,8 @@ def collect(device: str | None = None, dtype: str | None = None) -> dict:
 
     Args:
         device: where the example inputs live ("cpu", "cuda"); default CUDA when present, else CPU.
-        dtype: "float32", "bfloat16" or "float16"; default bfloat16 on a GPU, float32 on a CPU.
+        dtype: "float32", "bfloat16" or "float16"; default the LLM engine's run dtype here
+            (:func:`metainfer_gen.platform.native_dtype`).
     Raises:
         ValueError: unknown dtype.
     """
@@ -53,10 +54,20 @@ def collect(device: str | None = None, dtype: str | None = None) -> dict:
 
     caps = platform.capabilities()
     device = device or ("cuda" if caps.has_gpu else "cpu")
-    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    dtype = dtype or str(platform.native_dtype(device)).removeprefix("torch.")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16; got {dtype!r}")
     triton = platform.triton_status()
+    llm_dtype = platform.native_dtype(device)
+    from metainfer_gen.llm.fp8 import fp8_weights_stay
+
+    fp8_stay, fp8_reason = fp8_weights_stay(device, llm_dtype)
+    from metainfer_gen.kernels.gemm import matmul_path
+
+    matmul = {}
+    for name in ("bfloat16", "float32"):
+        path, refused = matmul_path(device, getattr(torch, name))
+        matmul[name] = {"path": path, "refused": refused}
     ops = []
     for op in registered_ops():
         if op.example is None:
@@ -78,10 +89,13 @@ def collect(device: str | None = None, dtype: str | None = None) -> dict:
             "peer_access": sorted([list(p) for p in caps.peer_access]),
             "missing_peer_pairs": [list(p) for p in caps.missing_peer_pairs()],
             "cpu_capability": caps.cpu_capability,
+            "cpu_matrix": caps.cpu_matrix,
             "cpu_threads": torch.get_num_threads(),
             "cxx_compiler": caps.cxx_compiler,
             "notes": list(caps.notes),
         },
+        "llm": {"default_dtype": str(llm_dtype).removeprefix("torch."), "matmul": matmul,
+                "fp8_checkpoints": {"stay_fp8": fp8_stay, "reason": fp8_reason}},
         "triton": {"mode": triton.mode.value, "version": triton.version, "reason": triton.reason},
         "versions": {"python": py_platform.python_version(), "metainfer-gen": __version__,
                      **{p: _version(p) for p in _PACKAGES}, "torch cuda": caps.torch_cuda or "none",
@@ -107,10 +121,21 @@ def render(report: dict, out: TextIO) -> None:
     if len(m["devices"]) > 1:
         missing = m["missing_peer_pairs"]
         w(f"  peer access      {'all pairs' if not missing else f'missing for {missing}'}\n")
-    w(f"  cpu              {m['cpu_capability']}, {m['cpu_threads']} torch threads\n")
+    w(f"  cpu              {m['cpu_capability']}, {m['cpu_threads']} torch threads, bf16 matrix unit: "
+      f"{m['cpu_matrix'] or 'none'}\n")
     w(f"  c++ compiler     {m['cxx_compiler'] or 'none (torch.compile on CPU unavailable)'}\n")
     for note in m["notes"]:
         w(f"  note             {note}\n")
+    llm = report["llm"]
+    w(f"\nllm engine         runs {llm['default_dtype']} by default here (--dtype to choose)\n")
+    for name, mm in llm["matmul"].items():
+        mark = "fast    " if mm["refused"] is None else "fallback"
+        w(f"  [{mark}] {name:<9} matmuls run {mm['path']}\n")
+        if mm["refused"]:
+            w(f"               not the fastest: {mm['refused']}\n")
+    fp8 = llm["fp8_checkpoints"]
+    w(f"  fp8 checkpoints  {'stay FP8' if fp8['stay_fp8'] else 'dequantised at load'}: {fp8['reason']} "
+      f"(--quantization fp8 keeps FP8)\n")
     w(f"\ntriton             {t['mode']}" + (f" ({t['reason']})" if t["reason"] else "") + "\n")
     w("\nversions\n")
     for name, version in v.items():

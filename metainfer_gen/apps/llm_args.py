@@ -11,8 +11,10 @@ from metainfer_gen.apps.arg_types import positive_int
 def add_llm_engine_arguments(p: argparse.ArgumentParser) -> None:
     """``--quantization`` and ``--kv-cache-dtype`` (read back with :func:`engine_options`)."""
     p.add_argument("--quantization", choices=("fp8",), default=None,
-                   help="fp8: linear weights in float8_e4m3fn with 128x128 block scales (an FP8 checkpoint stays "
-                        "FP8; a bf16 one is quantised on load); default: the checkpoint's own weights")
+                   help="fp8: linear weights in float8_e4m3fn with 128x128 block scales on any device (an FP8 "
+                        "checkpoint keeps its blocks; a bf16 one is quantised on load); default: the checkpoint's "
+                        "weights, an FP8 one kept FP8 only on a GPU with an FP8 GEMM (sm_89+/gfx94x+) and "
+                        "dequantised once at load elsewhere (the CPU)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="fp8: the latent KV cache in float8_e4m3fn, half the bytes of bf16 (default auto: the run "
                         "dtype)")

@@ -34,6 +34,7 @@ _EXPORTS = {
     "sparse_mla": "metainfer_gen.kernels.sparse_attention",
     "paged_mla_decode": "metainfer_gen.kernels.paged_mla",
     "moe_experts": "metainfer_gen.kernels.moe",
+    "linear": "metainfer_gen.kernels.gemm",
     "conv3d": "metainfer_gen.kernels.conv",
     "channel_rms_norm": "metainfer_gen.kernels.channel_norm",
     "timestep_embedding": "metainfer_gen.kernels.timestep_embed",

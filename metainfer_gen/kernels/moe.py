@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from metainfer_gen.kernels.gemm import bucketed_supports, bucket_rows, linear_bucketed
 from metainfer_gen.kernels.registry import Op, register_op
 
 __all__ = ["PADDED_MAX_PAIRS", "PADDED_MAX_WASTE", "moe_experts", "moe_experts_grouped", "moe_experts_loop",
@@ -101,7 +102,10 @@ def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
     tokens = pairs // ids.shape[1]
     scale = weights.flatten()[pairs, None]  # (P, 1)
     longest = max(local)
+    gemm = linear_bucketed if bucketed_supports(x, w13) is None else F.linear
     if num_pairs <= PADDED_MAX_PAIRS and num_local * longest <= PADDED_MAX_WASTE * num_pairs:
+        if gemm is linear_bucketed:  # one bmm shape per bucket, not per longest run (oneDNN builds per shape)
+            longest = bucket_rows(longest)
         ys = _padded(x.index_select(0, tokens), flat[pairs] - first_expert,
                      counts_t[first_expert:first_expert + num_local], longest, w13, w2)
         return out.index_add_(0, tokens, _scaled(ys, scale, x.dtype))
@@ -109,8 +113,8 @@ def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
     for e, count in enumerate(local):
         if count:
             run = slice(begin, begin + count)
-            h = F.linear(x.index_select(0, tokens[run]), w13[e])  # (n, 2I)
-            y = F.linear(F.silu(h[:, :size]) * h[:, size:], w2[e])
+            h = gemm(x.index_select(0, tokens[run]), w13[e])  # (n, 2I)
+            y = gemm(F.silu(h[:, :size]) * h[:, size:], w2[e])
             out.index_add_(0, tokens[run], _scaled(y, scale[run], x.dtype))
         begin += count
     return out

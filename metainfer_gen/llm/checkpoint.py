@@ -92,6 +92,17 @@ class SafetensorsCheckpoint:
         """The stored shape of ``name`` (from the header; nothing is read)."""
         return tuple(self._slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The stored dtype of ``name`` as safetensors names it (``"BF16"``, ``"F32"``, ``"F8_E4M3"`` ...), from
+        the header; nothing is read.
+
+        Raises:
+            KeyError: no tensor of that name.
+        """
+        if name not in self.file_of:
+            raise KeyError(f"{name!r} is not in the checkpoint at {self.path}")
+        return self._slice(name).get_dtype()
+
     def read(self, name: str, index: tuple = ()) -> torch.Tensor:
         """``tensor[index]`` of ``name`` on the CPU in its stored dtype (ints and slices; step 1 only), read from
         its shard; a view into the mapped file until the handle is reopened: copy it out, do not keep it.

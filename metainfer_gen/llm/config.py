@@ -29,14 +29,18 @@ class EngineConfig:
             available RAM on the CPU.
         kv_memory_margin: fraction of the budget left unallocated when sizing from measurement (allocator
             fragmentation, memory the profile cannot see).
-        dtype: weights and activations, "float32" (CPU default), "bfloat16" (CUDA default) or "float16".
+        dtype: weights and activations, "float32", "bfloat16" or "float16"; None takes
+            :func:`metainfer_gen.platform.native_dtype`: bfloat16 on a GPU and on a CPU with AMX-BF16 or
+            AVX512-BF16, float32 on a CPU that would emulate bf16.
         device: "cpu", "cuda", "cuda:N"; None picks CUDA when available.
         seed: seed of the sampler for requests without their own seed.
         tensor_parallel_size: ranks splitting the model (heads, intermediate columns, experts, vocabulary); above 1
             the engine runs under torchrun with this many processes, each calling the same engine methods.
         quantization: None, or "fp8": linear weights in float8_e4m3fn with 128x128 block scales (a bf16/fp32
-            checkpoint is quantised on load; a DeepSeek FP8 checkpoint keeps its blocks), see ``llm/fp8.py``. A
-            checkpoint whose config declares ``quant_method: "fp8"`` loads in fp8 with None too.
+            checkpoint is quantised on load; a DeepSeek FP8 checkpoint keeps its blocks), on any device, see
+            ``llm/fp8.py``. With None, a checkpoint whose config declares ``quant_method: "fp8"`` stays fp8 on a GPU
+            with an FP8 GEMM and is dequantised once at load to ``dtype`` elsewhere (the CPU); the loaded model's
+            ``weight_format`` says which.
         kv_cache_dtype: "auto" (the run dtype) or "fp8" (float8_e4m3fn latent cache, scale 1, half the bytes of
             bf16; values are cast on store and read back in the run dtype).
         static_decode: run decode-only steps on preallocated buffers padded to a batch-size ladder (1, 2, 4, ...,

@@ -24,7 +24,7 @@ from metainfer_gen.llm.model_runner import ModelRunner, kv_cache_bytes_per_block
 from metainfer_gen.llm.outputs import RequestOutput
 from metainfer_gen.llm.scheduler import Scheduler
 from metainfer_gen.llm.sequence import SamplingParams, Sequence
-from metainfer_gen.platform import default_device, default_dtype
+from metainfer_gen.platform import default_device, native_dtype
 
 Prompt = str | SequenceABC[int]
 
@@ -53,6 +53,12 @@ class LLMEngine:
         self.tokenizer = tokenizer
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        from metainfer_gen.kernels.gemm import record_matmul_path
+        from metainfer_gen.llm.layers.linear import configure_gemms
+
+        configure_gemms(model)  # the platform's GEMM path per layer, chosen once (audited at llm.linear)
+        self.matmul_path = record_matmul_path(self.device, self.dtype)
+        self.weight_format = getattr(model, "weight_format", None)  # fp8 kept, dequantised at load, or dense
         self.cache_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         from metainfer_gen.llm.kv_sizing import size_kv_pool
 
@@ -91,7 +97,7 @@ class LLMEngine:
         model_config = load_config(path)
         tp, device = _tensor_parallel(config)
         device = torch.device(config.device) if config.device else device
-        dtype = getattr(torch, config.dtype) if config.dtype else default_dtype(device)
+        dtype = getattr(torch, config.dtype) if config.dtype else native_dtype(device)
         max_len = config.max_model_len or model_config.max_position_embeddings
         if max_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
@@ -291,3 +297,4 @@ def _load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+

@@ -27,6 +27,15 @@ values are dequantised, as vLLM does). vLLM's ``Fp8Config`` quantises only ``Lin
 ``ignored_layers`` (``modules_to_not_convert`` in transformers' ``FineGrainedFP8Config``); in vLLM's
 ``deepseek_v2.py`` the router (``GateLinear``, built without a quant config) and ``ParallelLMHead`` /
 ``VocabParallelEmbedding`` stay unquantised. Measured on the embedded LLM: see ``docs/demo_llm.md``.
+
+Where FP8 stays FP8 (:func:`fp8_weights_stay`, :func:`choose_weight_format`): an FP8 checkpoint loaded without
+``quantization="fp8"`` keeps its fp8 blocks only on a GPU with FP8 matrix arithmetic (sm_89+, gfx94x+) and Triton,
+where :func:`metainfer_gen.kernels.fp8_linear` is a real FP8 GEMM. Elsewhere (the CPU: fp8 tensors support no
+arithmetic there, and the torch fallback dequantises a slice of the weight on every call, 9-50x slower than a
+dense linear) each fp8 weight is dequantised once while loading, block by block, to the run dtype. An explicit
+``quantization="fp8"`` keeps FP8 everywhere (half the weight memory of bf16). The loaded model's ``weight_format``
+(a :class:`WeightFormat`: ``name``, ``reason``) says which happened, and the kernels audit gets an entry at site
+``llm.load.fp8`` (:func:`record_weight_format`).
 """
 
 from __future__ import annotations
@@ -39,10 +48,119 @@ from torch import nn
 from metainfer_gen.kernels.fp8_quant import FP8_BLOCK
 from metainfer_gen.llm.parallel import Shard
 
-__all__ = ["QUANTIZATION_METHODS", "Fp8Summary", "block_scale_shard", "checkpoint_quantization",
-           "quantize_linear_fp8", "weight_bytes"]
+__all__ = ["AUDIT_OP", "AUDIT_SITE", "QUANTIZATION_METHODS", "Fp8Summary", "WeightFormat", "block_scale_shard",
+           "checkpoint_quantization", "choose_weight_format", "fp8_weights_stay", "quantize_linear_fp8",
+           "record_weight_format", "weight_bytes"]
 
 QUANTIZATION_METHODS = ("fp8",)
+AUDIT_OP, AUDIT_SITE = "fp8_weights", "llm.load.fp8"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def fp8_weights_stay(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> tuple[bool, str]:
+    """Whether an FP8 checkpoint's weights should stay FP8 on ``device``, and why (one sentence).
+
+    True on a CUDA/ROCm device when :func:`metainfer_gen.platform.capabilities` reports ``fp8_e4m3`` (FP8 matrix
+    arithmetic: sm_89+, gfx94x+) and Triton compiles there (the block-scaled FP8 GEMM is a Triton kernel). False on
+    the CPU, on other device types, on GPUs without FP8, and where Triton does not compile: there an FP8 linear
+    dequantises its weight on every call, so it is better dequantised once at load to ``dtype``.
+
+    Args:
+        device: where the model runs (``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device``).
+        dtype: the run dtype, named in the reason.
+    Returns:
+        ``(stay, reason)``.
+    """
+    from metainfer_gen import platform
+
+    device = torch.device(device)
+    once = f"FP8 weights are dequantised once at load to {_dtype_name(dtype)}"
+    if device.type == "cpu":
+        return False, (f"CPU: no FP8 GEMM (fp8 tensors support no arithmetic); the per-call dequant is 9-50x "
+                       f"slower than a dense linear, so {once}")
+    if device.type != "cuda":
+        return False, f"{device.type}: no FP8 GEMM in this engine, so {once}"
+    caps = platform.capabilities()
+    kind = caps.device_kind.value.upper()
+    arch = ", ".join(caps.gcn_arch) or ", ".join(f"sm_{a}{b}" for a, b in caps.compute_capabilities) or "unknown"
+    if not (caps.has_gpu and caps.fp8_e4m3):
+        return False, (f"{kind} {arch}: no FP8 matrix arithmetic (needs sm_89+ or gfx94x+), so {once}")
+    triton = platform.triton_status()
+    if triton.mode is not platform.TritonMode.COMPILE:
+        return False, f"{kind} {arch}: the FP8 GEMM is a Triton kernel and {triton.reason}, so {once}"
+    return True, f"{kind} {arch}: FP8 GEMM in hardware, so FP8 weights stay FP8 with their 128x128 block scales"
+
+
+@dataclass(frozen=True, slots=True)
+class WeightFormat:
+    """How the linear weights of a loaded model are held.
+
+    Attributes:
+        fp8: eligible linear layers hold float8_e4m3fn weights with ``weight_scale_inv`` (False: the run dtype).
+        dequantise: the checkpoint's fp8 weights are dequantised once at load (a declared FP8 checkpoint where
+            FP8 does not stay); a dense layer reading an fp8 tensor (``kv_b_proj``) always dequantises it.
+        fp8_gemm: the device has an FP8 GEMM (:func:`fp8_weights_stay`).
+        name: what the engine and doctor print (``"fp8 (block-scaled, FP8 GEMM)"``,
+            ``"dequantised from fp8 at load to bfloat16"``, ``"bfloat16"``).
+        reason: why, one sentence.
+    """
+
+    fp8: bool
+    dequantise: bool
+    fp8_gemm: bool
+    name: str
+    reason: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def choose_weight_format(requested: str | None, declared: str | None, device: torch.device | str,
+                         dtype: torch.dtype) -> WeightFormat:
+    """The weight format a model loads in: ``requested`` is the user's ``quantization`` (None or ``"fp8"``),
+    ``declared`` the checkpoint's (:func:`checkpoint_quantization`), ``dtype`` the run dtype.
+
+    ``"fp8"`` requested keeps FP8 on every device (the user asked; half the memory of bf16). A declared FP8
+    checkpoint stays FP8 where :func:`fp8_weights_stay` says so, and is dequantised at load elsewhere. Anything
+    else runs in ``dtype``.
+
+    Raises:
+        ValueError: ``requested`` not None and not in :data:`QUANTIZATION_METHODS`.
+    """
+    if requested is not None and requested not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be None or one of {QUANTIZATION_METHODS}; got {requested!r}")
+    stay, why = fp8_weights_stay(device, dtype)
+    if requested == "fp8":
+        if stay:
+            return WeightFormat(True, False, True, "fp8 (block-scaled, FP8 GEMM)",
+                                f"quantization='fp8' requested; {why}")
+        where = why.split(":", 1)[0]
+        return WeightFormat(True, False, False, "fp8 (block-scaled; no FP8 GEMM here: dequantised per call)",
+                            f"quantization='fp8' requested: FP8 weights kept (half the memory of bf16) although "
+                            f"{where} has no FP8 GEMM, so every FP8 linear dequantises its weight per call (9-50x "
+                            f"slower than a dense linear on a CPU; leave quantization unset to dequantise once)")
+    if declared == "fp8":
+        if stay:
+            return WeightFormat(True, False, True, "fp8 (block-scaled, FP8 GEMM)", why)
+        return WeightFormat(False, True, False, f"dequantised from fp8 at load to {_dtype_name(dtype)}",
+                            f"{why} (quantization='fp8' keeps them FP8)")
+    return WeightFormat(False, False, stay, _dtype_name(dtype),
+                        "the checkpoint's weights are not FP8 and no quantization was requested")
+
+
+def record_weight_format(fmt: WeightFormat) -> None:
+    """Put ``fmt`` in the kernels audit (op :data:`AUDIT_OP`, site :data:`AUDIT_SITE`): path ``"fp8"`` or
+    ``"dense"`` (dequantised at load), with ``dense`` refused, and why, when FP8 was kept on a device without an
+    FP8 GEMM. Records nothing for a checkpoint that is not FP8 loaded without an FP8 request."""
+    from metainfer_gen.kernels.audit_log import Refusal, record
+
+    if not (fmt.fp8 or fmt.dequantise):
+        return
+    refusals = (Refusal("dense", fmt.reason),) if fmt.fp8 and not fmt.fp8_gemm else ()
+    record(AUDIT_OP, AUDIT_SITE, "fp8" if fmt.fp8 else "dense", refusals)
 
 
 def quantize_linear_fp8(module: nn.Module, weight: torch.Tensor) -> None:

@@ -11,9 +11,11 @@ Handles what checkpoints in the wild contain: experts saved one per expert (``ml
 what transformers' ``save_pretrained`` writes) or fused (``mlp.experts.gate_up_proj`` (E, 2I, H),
 ``mlp.experts.down_proj`` (E, H, I), transformers' in-memory layout); multi-token-prediction layers past
 ``num_hidden_layers`` (skipped, never read); tied embeddings; and FP8 block-scaled weights (``weight_scale_inv``
-with 128x128 blocks, DeepSeek's release format), kept in fp8 when the model runs in fp8 (a checkpoint whose config
-declares ``quant_method: fp8`` always does) and dequantised tensor by tensor otherwise. A hub id is fetched with
-``huggingface_hub.snapshot_download`` (works offline when it is already in the local cache).
+with 128x128 blocks, DeepSeek's release format), kept in fp8 when the model runs in fp8 and dequantised once, block
+by block, to the run dtype otherwise. A checkpoint whose config declares ``quant_method: fp8`` runs in fp8 where the
+device has an FP8 GEMM, and is dequantised at load elsewhere (the CPU), unless ``quantization="fp8"`` asks for fp8
+(:func:`~metainfer_gen.llm.fp8.choose_weight_format`); the model's ``weight_format`` says which. A hub id is fetched
+with ``huggingface_hub.snapshot_download`` (works offline when it is already in the local cache).
 """
 
 from __future__ import annotations
@@ -150,33 +152,43 @@ def load_model(path: Path, config, *, dtype: torch.dtype, device: torch.device, 
     (this rank's slices under tensor parallelism ``tp``, a :class:`~metainfer_gen.llm.parallel.TensorParallel`),
     straight into its storage on ``device``.
 
-    ``quantization="fp8"`` (also taken when the checkpoint's config declares DeepSeek's fp8 format) gives every
-    eligible linear layer a float8_e4m3fn weight with 128x128 block scales: an fp8 checkpoint's blocks are
-    copied as they are, a bf16/fp32 checkpoint is quantised tensor by tensor (each rank its shard); the rest is
-    cast to ``dtype``. MoE layers' routed experts are stacked for grouped GEMMs as they are read (fp8 experts stay
-    per expert, each through the fp8 block GEMM).
+    ``quantization="fp8"`` gives every eligible linear layer a float8_e4m3fn weight with 128x128 block scales,
+    on any device: an fp8 checkpoint's blocks are copied as they are, a bf16/fp32 checkpoint is quantised tensor by
+    tensor (each rank its shard); the rest is cast to ``dtype``. With None, a checkpoint whose config declares
+    DeepSeek's fp8 format stays fp8 where :func:`~metainfer_gen.llm.fp8.fp8_weights_stay` says the device has an
+    FP8 GEMM (sm_89+/gfx94x+ with Triton), and elsewhere (the CPU) each fp8 weight is dequantised once, a group
+    of 128-row tiles at a time, into a ``dtype`` weight without ``weight_scale_inv``, exactly as a bf16 checkpoint
+    of those values would load. MoE layers' routed experts are stacked for grouped GEMMs as they are read (fp8
+    experts stay per expert, each through the fp8 block GEMM).
+
+    Returns:
+        The model in eval mode, with ``weight_format`` (a :class:`~metainfer_gen.llm.fp8.WeightFormat`:
+        ``.name`` such as ``"fp8 (block-scaled, FP8 GEMM)"``, ``"dequantised from fp8 at load to bfloat16"`` or
+        ``"bfloat16"``, and ``.reason``); the choice is also recorded in the kernels audit (site
+        ``"llm.load.fp8"``) when the checkpoint is fp8 or fp8 was asked for.
 
     Raises:
         RuntimeError: missing, unexpected or wrongly shaped weights (names listed).
-        ValueError: an unknown quantization method, an unsupported checkpoint quantisation, or an fp8 weight
-            whose tensor-parallel slice would split a 128x128 scale block.
+        ValueError: an unknown quantization method, an unsupported checkpoint quantisation, an fp8 weight
+            whose tensor-parallel slice would split a 128x128 scale block (fp8 kept), or an fp8 tensor without its
+            ``weight_scale_inv``.
     """
     from metainfer_gen.llm.checkpoint import SafetensorsCheckpoint
-    from metainfer_gen.llm.fp8 import QUANTIZATION_METHODS, checkpoint_quantization
+    from metainfer_gen.llm.fp8 import checkpoint_quantization, choose_weight_format, record_weight_format
     from metainfer_gen.llm.models.deepseek_v3 import DeepseekV3ForCausalLM, RotaryTables
     from metainfer_gen.llm.weight_fill import fill_parameter, materialize
 
-    if quantization is not None and quantization not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization must be None or one of {QUANTIZATION_METHODS}; got {quantization!r}")
-    quantization = quantization or checkpoint_quantization(config)
+    fmt = choose_weight_format(quantization, checkpoint_quantization(config), device, dtype)
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(config, max_positions, tp)
     with SafetensorsCheckpoint(path) as ckpt:
         reads = plan_reads(model, ckpt, config)
-        materialize(model, dtype=dtype, device=device, fp8=quantization == "fp8")
+        materialize(model, dtype=dtype, device=device, fp8=fmt.fp8)
         for read in reads:
             fill_parameter(read.module, read.attr, ckpt, read.name, read.index)
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary = RotaryTables(config, max_positions).to(device)
+    model.weight_format = fmt
+    record_weight_format(fmt)
     return model.eval()

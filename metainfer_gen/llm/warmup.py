@@ -9,6 +9,8 @@ query RoPE on (2048, 8, 64), both at a full 2,048-token step (``max_num_batched_
 
 - one full-budget prefill step (``max_num_batched_tokens`` tokens, split into prompts the context allows), the one
   large size that recurs (every chunked-prefill step of a busy engine);
+- every row bucket of every dense GEMM (:func:`metainfer_gen.kernels.gemm.warm_linear_buckets`: oneDNN builds a
+  bf16 kernel per shape, about 1 ms each, and the buckets bound the shapes);
 - decode steps over a ladder of batch sizes up to ``max_num_seqs`` (1, 2, 4, ..., ``max_num_seqs``);
 
 on scratch KV blocks (free and holding no cached prefix), outside the scheduler: no request, block, prefix-cache
@@ -79,11 +81,28 @@ def warm_up(engine) -> WarmupReport:
     if prompts:
         _run(engine, [(n, n) for n in prompts], scratch)
         prefills.append(sum(prompts))
+    _warm_gemms(engine.model, config.max_num_batched_tokens)
     decodes = [n for n in batch_size_ladder(config.max_num_seqs) if n * block_size <= capacity]
     for num_seqs in decodes:
         _run(engine, [(block_size, 1)] * num_seqs, scratch)
     return WarmupReport(tuple(prefills), tuple(decodes), counters["stats"]["unique_graphs"] - graphs,
                         time.perf_counter() - start)
+
+
+def _warm_gemms(model, max_rows: int) -> int:
+    """Every row bucket of every dense weight the steps multiply (linears, LM head, each expert's gate-up and down
+    views), so no step builds a oneDNN kernel (:func:`metainfer_gen.kernels.gemm.warm_linear_buckets`)."""
+    from metainfer_gen.kernels.gemm import warm_linear_buckets
+
+    return warm_linear_buckets((p for p in model.parameters() if p.ndim == 2), max_rows) + \
+        warm_linear_buckets((w[0] for w in _expert_stacks(model)), max_rows)
+
+
+def _expert_stacks(model):
+    for module in model.modules():
+        stacked = getattr(module, "_stacked_weights", None)
+        if callable(stacked) and stacked() is not None:
+            yield from stacked()
 
 
 def _run(engine, shapes: list[tuple[int, int]], scratch: list[int]) -> None:

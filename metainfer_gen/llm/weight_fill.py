@@ -6,8 +6,8 @@ when the model runs in fp8, float32 for :data:`KEEP_FP32`, the run dtype for the
 experts get their stacked storage at once (:meth:`~metainfer_gen.llm.layers.moe.MoE.stack_empty_experts`).
 :func:`fill_parameter` then copies one checkpoint tensor, or this rank's slice of it (the parameter's
 ``tp_shard``), into that storage: the resident weights are allocated once, at their final size, and the only
-transient is the one tensor in hand (a view of the mapped shard, and its float32 form when it is quantised or
-dequantised). vLLM's ``weight_loader(param, loaded_weight)`` copies in place the same way.
+transient is the one tensor in hand (a view of the mapped shard; a 128-row group of it in float32 when it is
+quantised or dequantised). vLLM's ``weight_loader(param, loaded_weight)`` copies in place the same way.
 
 Per parameter, by what the checkpoint holds and what the model keeps:
 
@@ -15,8 +15,12 @@ Per parameter, by what the checkpoint holds and what the model keeps:
   copied as they are (the slice must fall on 128 boundaries: :func:`~metainfer_gen.llm.fp8.block_scale_shard`);
 - dense weight into an fp8 layer: the slice quantised with 128x128 block scales (``quantization="fp8"``), one row
   of tiles at a time (tiles are independent, so this is exact and bounds the float32 transient to 128 rows);
-- fp8 weight into a dense layer (``kv_b_proj``, or a dense run): the 128-aligned rows/columns covering the slice,
-  dequantised through :func:`metainfer_gen.kernels.fp8_weight_dequant`, then cut to the slice;
+- fp8 weight into a dense layer (``kv_b_proj``; every layer of an FP8 checkpoint loaded where FP8 does not stay,
+  :func:`~metainfer_gen.llm.fp8.choose_weight_format`): the 128-aligned rows/columns covering the slice,
+  dequantised through :func:`metainfer_gen.kernels.fp8_weight_dequant` one group of 128-row tiles at a time
+  (:data:`DEQUANT_BYTES` of float32) and cut to the slice, so the layer ends up exactly as if a dense checkpoint
+  holding those values had been loaded (a slice that splits a scale block is fine here);
+- an fp8 tensor without its ``weight_scale_inv``: refused (ValueError), its values mean nothing without scales;
 - anything else: the slice, cast by the copy; a vocabulary shard's padded tail is zeroed.
 """
 
@@ -28,7 +32,10 @@ from torch import nn
 from metainfer_gen.llm.checkpoint import SafetensorsCheckpoint
 from metainfer_gen.llm.parallel import Shard
 
-__all__ = ["KEEP_FP32", "fill_parameter", "materialize"]
+__all__ = ["DEQUANT_BYTES", "KEEP_FP32", "fill_parameter", "materialize"]
+
+# float32 bytes of one group of 128-row tiles dequantised at a time (fp8 weight into a dense layer).
+DEQUANT_BYTES = 16 << 20
 
 # Kept in float32 whatever the run dtype, as transformers keeps them.
 KEEP_FP32 = ("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight")
@@ -99,24 +106,44 @@ def _copy(target: torch.Tensor, data: torch.Tensor, shard: Shard | None) -> None
     target.copy_(data)
 
 
-def _dequantised(ckpt: SafetensorsCheckpoint, name: str, scale_name: str, shard: Shard | None,
-                 dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Dequantise the 128-aligned rows/columns covering ``shard`` (None: the whole tensor) on ``device`` (Triton
-    there on a GPU), then cut to it."""
+def _dequantise_into(target: torch.Tensor, ckpt: SafetensorsCheckpoint, name: str, scale_name: str,
+                     shard: Shard | None) -> None:
+    """Fill ``target`` (this rank's ``shard`` of fp8 ``name``, None: all of it) with its dequantised values, a
+    group of whole 128-row tiles at a time (about :data:`DEQUANT_BYTES` of float32; Triton on a GPU): each group
+    reads the 128-aligned rows and columns covering the slice and the scale blocks over them, so the transient is
+    one group, never the tensor in float32."""
     from metainfer_gen.kernels import fp8_weight_dequant
     from metainfer_gen.kernels.fp8_quant import FP8_BLOCK
-    from metainfer_gen.llm.fp8 import block_scale_shard
 
-    if shard is None:
-        return fp8_weight_dequant(ckpt.read(name).to(device), ckpt.read(scale_name).to(device).float(), dtype,
-                                  site="loader")
-    first = shard.start // FP8_BLOCK * FP8_BLOCK
-    end = min(-(-(shard.start + shard.num_valid) // FP8_BLOCK) * FP8_BLOCK, shard.total)
-    covering = Shard(shard.dim, first, end - first, shard.total)
-    weight = ckpt.read(name, covering.index).to(device).contiguous()
-    scale = ckpt.read(scale_name, block_scale_shard(covering, name).index).to(device).float().contiguous()
-    return fp8_weight_dequant(weight, scale, dtype, site="loader").narrow(shard.dim, shard.start - first,
-                                                                          shard.num_valid)
+    if shard is not None and shard.num_valid < shard.length:  # a padded tail (none on linear layers today)
+        target.narrow(shard.dim, shard.num_valid, shard.length - shard.num_valid).zero_()
+        target = target.narrow(shard.dim, 0, shard.num_valid)
+    n, k = ckpt.shape(name)
+    rows = (shard.start, shard.num_valid) if shard is not None and shard.dim == 0 else (0, n)
+    cols = (shard.start, shard.num_valid) if shard is not None and shard.dim == 1 else (0, k)
+    col0, col_end = cols[0] // FP8_BLOCK * FP8_BLOCK, min(-(-(cols[0] + cols[1]) // FP8_BLOCK) * FP8_BLOCK, k)
+    step = max(1, DEQUANT_BYTES // (4 * FP8_BLOCK * max(col_end - col0, 1))) * FP8_BLOCK
+    row_end = rows[0] + rows[1]
+    scale_cols = slice(col0 // FP8_BLOCK, -(-col_end // FP8_BLOCK))
+    for start in range(rows[0] // FP8_BLOCK * FP8_BLOCK, row_end, step):
+        stop = min(start + step, n)
+        weight = ckpt.read(name, (slice(start, stop), slice(col0, col_end))).to(target.device).contiguous()
+        scale = ckpt.read(scale_name, (slice(start // FP8_BLOCK, -(-stop // FP8_BLOCK)), scale_cols))
+        dense = fp8_weight_dequant(weight, scale.to(target.device).float().contiguous(), target.dtype,
+                                   site="loader")
+        first, last = max(start, rows[0]), min(stop, row_end)
+        target[first - rows[0]:last - rows[0]].copy_(dense[first - start:last - start,
+                                                           cols[0] - col0:cols[0] - col0 + cols[1]])
+
+
+def _check_stored(name: str, stored: str, scaled: bool, scale_name: str) -> None:
+    """Refuse an fp8 tensor without its block scales, or block scales beside a tensor that is not e4m3."""
+    if scaled and stored != "F8_E4M3":
+        raise ValueError(f"{name} has a {_SCALE} but is stored as {stored}, not float8_e4m3fn (F8_E4M3)")
+    if not scaled and stored.startswith("F8"):
+        raise ValueError(f"{name} is stored in fp8 ({stored}) but the checkpoint has no {scale_name}: its values "
+                         f"cannot be read without their 128x128 block scales; add {scale_name} (ceil(N/128), "
+                         f"ceil(K/128)) float32 to the checkpoint, or save {name} in bf16/fp32")
 
 
 def _quantise_into(module: nn.Module, data: torch.Tensor) -> None:
@@ -139,12 +166,19 @@ def fill_parameter(module: nn.Module, attr: str, ckpt: SafetensorsCheckpoint, na
 
     Raises:
         RuntimeError: the checkpoint tensor's shape is not the parameter's full shape.
-        ValueError: an fp8 slice that would split a 128x128 scale block between ranks.
+        ValueError: an fp8 slice that would split a 128x128 scale block between ranks (into an fp8 layer), an fp8
+            tensor stored without its ``weight_scale_inv``, or a ``weight_scale_inv`` beside a tensor that is not
+            float8_e4m3fn (the tensor is named).
     """
     from metainfer_gen.llm.fp8 import block_scale_shard
 
     target = getattr(module, attr)
     if index is not None:
+        stored = ckpt.dtype(name)
+        if stored.startswith("F8"):
+            raise ValueError(f"{name} is a fused expert tensor stored in fp8 ({stored}); fused experts load only "
+                             f"in bf16/fp32: save them one per expert (mlp.experts.N.*.weight, each with its "
+                             f"{_SCALE}) or in bf16")
         data = ckpt.read(name, index)
         _check_shape(f"{name}[{index}]", tuple(data.shape), target, None)
         if target.dtype == _FP8:
@@ -157,17 +191,16 @@ def fill_parameter(module: nn.Module, attr: str, ckpt: SafetensorsCheckpoint, na
     read_index = shard.index if shard is not None else ()
     scale_name = name.removesuffix("weight") + _SCALE
     stored_fp8 = name.endswith("weight") and scale_name in ckpt
+    _check_stored(name, ckpt.dtype(name), stored_fp8, scale_name)
     if target.dtype == _FP8:
         data = ckpt.read(name, read_index)
         if not stored_fp8:
             _quantise_into(module, data)
             return
-        if data.dtype != _FP8:
-            raise ValueError(f"{name} has a {_SCALE} but is stored as {data.dtype}, not float8_e4m3fn")
         target.copy_(data)
         getattr(module, _SCALE).copy_(ckpt.read(scale_name, block_scale_shard(shard, name).index
                                                 if shard is not None else ()))
     elif stored_fp8:
-        _copy(target, _dequantised(ckpt, name, scale_name, shard, target.dtype, target.device), shard)
+        _dequantise_into(target, ckpt, name, scale_name, shard)
     else:
         _copy(target, ckpt.read(name, read_index), shard)

@@ -78,8 +78,9 @@ class TextGenerationPipeline:
             pretrained_model_name_or_path: None, a directory with config.json + safetensors (+ tokenizer), or a
                 hub id.
             device: "cpu", "cuda", ...; default CUDA when available.
-            torch_dtype: torch.float32 / torch.bfloat16 / torch.float16 or its name; default float32 on CPU,
-                bfloat16 on CUDA.
+            torch_dtype: torch.float32 / torch.bfloat16 / torch.float16 or its name; default bfloat16 where the
+                hardware has native bf16 (a GPU, a CPU with AMX-BF16 or AVX512-BF16), float32 elsewhere
+                (:func:`metainfer_gen.platform.native_dtype`).
             warmup: run :meth:`~metainfer_gen.llm.engine.LLMEngine.warmup` after loading (seconds at start-up,
                 so that no later call waits for a compile; the CLI and the server do).
             engine_kwargs: :class:`~metainfer_gen.llm.config.EngineConfig` fields (``block_size``,

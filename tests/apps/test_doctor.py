@@ -14,7 +14,7 @@ from metainfer_gen.apps.cli import main
 
 OPS = ("rms_norm", "fused_add_rms_norm", "rope", "adaln_modulate", "gated_residual", "store_kv_cache",
        "fp8_act_quant", "fp8_weight_dequant", "fp8_block_gemm", "indexer_topk", "sparse_mla", "paged_mla_decode",
-       "moe_experts", "conv3d", "channel_rms_norm", "timestep_embedding")
+       "moe_experts", "conv3d", "channel_rms_norm", "timestep_embedding", "linear")
 # Ops whose fastest implementation runs on a CPU-only machine too (plain torch; oneDNN, built into the CPU wheel).
 TORCH_FASTEST = ("moe_experts", "conv3d", "channel_rms_norm", "timestep_embedding")
 
@@ -96,9 +96,34 @@ def test_the_cpu_probe_says_whether_a_bf16_vae_pays(monkeypatch, native):
     from metainfer_gen import platform
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(platform, "_cpu_has_flag", lambda *flags: native and "avx512_bf16" in flags)
+    monkeypatch.setattr(platform, "_cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"} if native else {"avx512f"}))
     caps = platform._probe()
     assert caps.bf16 is native
+    assert caps.cpu_matrix == ("avx512_bf16" if native else "")
     hint = [n for n in caps.notes if "--vae-dtype bfloat16" in n]
     assert len(hint) == (1 if native else 0)
     assert any("emulated" in n for n in caps.notes) is not native
+
+
+def test_the_llm_section_names_the_matmul_path_and_the_fp32_fast_path_not_taken(monkeypatch):
+    from metainfer_gen import platform
+
+    monkeypatch.delenv(platform.DTYPE_ENV, raising=False)
+    amx = platform.Capabilities(device_kind=platform.DeviceKind.CPU, bf16=True, cpu_matrix="amx_bf16",
+                                cpu_capability="AVX512")
+    with platform.override_capabilities(amx):
+        report = doctor.collect()
+        out = io.StringIO()
+        doctor.render(report, out)
+    text = out.getvalue()
+    assert report["llm"]["default_dtype"] == "bfloat16" and report["example"]["dtype"] == "bfloat16"
+    assert "[fast    ] bfloat16  matmuls run oneDNN AMX-BF16" in text
+    assert "[fallback] float32   matmuls run AVX-512 fp32" in text and "3-8x faster" in text
+    assert "fp8 checkpoints  dequantised at load" in text
+    assert next(o for o in report["ops"] if o["op"] == "linear")["path"] == "bucketed"
+    plain = platform.Capabilities(device_kind=platform.DeviceKind.CPU, cpu_capability="AVX2")
+    with platform.override_capabilities(plain):
+        report = doctor.collect()
+    assert report["llm"]["default_dtype"] == "float32"
+    assert report["llm"]["matmul"]["float32"] == {"path": "AVX2 fp32", "refused": None}
+    assert "emulated" in report["llm"]["matmul"]["bfloat16"]["path"]

@@ -1,4 +1,5 @@
-"""Streamed loading: multi-shard checkpoints, per-rank slices read directly, FP8 kept as FP8, bounded host memory."""
+"""Streamed loading: multi-shard checkpoints, per-rank slices read directly, FP8 kept as FP8 (``quantization="fp8"``;
+dequantised at load on the CPU otherwise, see ``test_fp8_load_format.py``), bounded host memory."""
 
 from __future__ import annotations
 
@@ -60,13 +61,15 @@ def test_multi_shard_checkpoint_loads_as_one_file_does(moe_checkpoint, tmp_path)
     assert [o.token_ids for o in outputs] == [hf_greedy(model, p, 8) for p in prompts]
 
 
-@pytest.mark.parametrize("kind", ["dense", "fp8"])
+@pytest.mark.parametrize("kind", ["dense", "fp8", "fp8-dequantised"])
 def test_tp2_ranks_hold_exactly_the_slices_of_the_full_weights(aligned, kind):
     _, dense, fp8 = aligned
     path = dense if kind == "dense" else fp8
-    full = _tensors(_load(path))
+    quantization = "fp8" if kind == "fp8" else None
+    full = _tensors(_load(path, quantization=quantization))
+    assert any(t.dtype == torch.float8_e4m3fn for t in full.values()) == (kind == "fp8")
     for rank in range(2):
-        shards = _tensors(_load(path, TensorParallel(rank, 2, group=None)))
+        shards = _tensors(_load(path, TensorParallel(rank, 2, group=None), quantization=quantization))
         assert 0 < len(shards) < len(full)  # this rank's experts only
         split_names = [n for n, t in shards.items() if getattr(t, "tp_shard", None) is not None
                        and t.tp_shard.length < t.tp_shard.total]
@@ -88,7 +91,7 @@ def test_fp8_checkpoint_stays_fp8_with_its_own_blocks(aligned):
     from safetensors import safe_open
 
     _, dense, fp8 = aligned
-    model = _load(fp8, dtype=torch.bfloat16)  # quantization declared by the checkpoint's config
+    model = _load(fp8, quantization="fp8", dtype=torch.bfloat16)  # kept on the CPU because it is asked for
     attn, moe = model.model.layers[1].self_attn, model.model.layers[1].mlp
     name = "model.layers.1.self_attn.q_b_proj.weight"
     file = json.loads((fp8 / "model.safetensors.index.json").read_text())["weight_map"][name]
@@ -109,7 +112,7 @@ def test_fp8_checkpoint_stays_fp8_with_its_own_blocks(aligned):
     assert len(fp8_names) == len([n for n, t in quantised.items() if t.dtype == torch.float8_e4m3fn]) > 20
     assert all(torch.equal(_bits(ours[n]), _bits(quantised[n])) for n in fp8_names)
     assert all(torch.equal(ours[n + "_scale_inv"], quantised[n + "_scale_inv"]) for n in fp8_names)
-    engine = LLMEngine.from_pretrained(fp8, EngineConfig(block_size=4, dtype="bfloat16"))
+    engine = LLMEngine.from_pretrained(fp8, EngineConfig(block_size=4, dtype="bfloat16", quantization="fp8"))
     with kernels.audit() as report:
         outputs = engine.generate(random_prompts(2, ALIGNED["vocab_size"], (6, 11)), GREEDY)
     assert [len(o.token_ids) for o in outputs] == [8, 8] and "fp8_block_gemm" in report.paths()
@@ -119,7 +122,11 @@ def test_misaligned_tp_slice_of_an_fp8_weight_is_refused(tmp_path):
     save_fp8_checkpoint(make_hf_model("moe"), tmp_path)  # dense down_proj (64, 128): rank 1's columns start at 64
     with pytest.raises(ValueError, match=r"layers.0.mlp.down_proj.weight: this rank's columns \[64, 128\) of the fp8 "
                                          r"weight's 128 do not fall on its 128x128 scale blocks"):
-        _load(tmp_path, TensorParallel(1, 2, group=None))
+        _load(tmp_path, TensorParallel(1, 2, group=None), quantization="fp8")
+    # Dequantised at load (the CPU default), the same slice is fine: it needs no scale block of its own.
+    rank = _load(tmp_path, TensorParallel(1, 2, group=None))
+    full = _load(tmp_path).model.layers[0].mlp.down_proj.weight
+    assert torch.equal(rank.model.layers[0].mlp.down_proj.weight, full[:, 64:])
 
 
 def test_unsupported_checkpoint_quantisation_is_refused(moe_checkpoint, tmp_path):
@@ -182,10 +189,12 @@ def memory_workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("llm_memory_load")
 
 
-@pytest.mark.parametrize("case", [("bf16", None, 2), ("fp8", None, 1), ("bf16", "fp8", 1)])
+@pytest.mark.parametrize("case", [("bf16", None, 2), ("fp8", None, 1), ("fp8", "fp8", 1), ("bf16", "fp8", 1)],
+                         ids=["bf16-tp2", "fp8-dequantised", "fp8-kept", "bf16-quantised"])
 def test_peak_host_memory_while_loading_stays_near_the_weights(memory_workdir, case):
     """In a fresh process: peak RSS above the baseline <= 1.15x the rank's weight bytes + 48 MB (the mapped-page
-    budget, one tensor, allocator slack); reading whole shards would add a shard or more."""
+    budget, one tensor, allocator slack); reading whole shards would add a shard or more. ("fp8", None): an FP8
+    checkpoint dequantised at load on the CPU, to bf16 weights twice its size, one 128-row group at a time.)"""
     kind, quantization, tp_size = case
     script = f"""
 import json, sys, torch

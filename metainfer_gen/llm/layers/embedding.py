@@ -39,7 +39,10 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    """hidden (R, hidden) -> logits (R, vocab) float32; the weight is split by vocabulary rows."""
+    """hidden (R, hidden) -> logits (R, vocab) float32; the weight is split by vocabulary rows. ``gemm``: the dense
+    multiply, set at load by :func:`metainfer_gen.llm.layers.linear.configure_gemms`."""
+
+    gemm = staticmethod(F.linear)
 
     def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallel | None = None):
         super().__init__()
@@ -50,7 +53,7 @@ class ParallelLMHead(nn.Module):
         self.weight.tp_shard = Shard(0, start, end - start, vocab_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = self.gemm(hidden, self.weight)
         if self.tp.enabled:
             logits = self.tp.all_gather_last(logits)[:, : self.vocab_size]
         return logits.float()

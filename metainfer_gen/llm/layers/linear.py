@@ -30,13 +30,17 @@ from torch import nn
 
 from metainfer_gen.llm.parallel import Shard, TensorParallel
 
-__all__ = ["ColumnParallelLinear", "LinearBase", "ReplicatedLinear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "LinearBase", "ReplicatedLinear", "RowParallelLinear", "configure_gemms"]
 
 
 class LinearBase(nn.Module):
-    """Weight (out, in) with its tensor-parallel ``tp_shard`` (None: whole); dense or fp8 block-scaled multiply."""
+    """Weight (out, in) with its tensor-parallel ``tp_shard`` (None: whole); dense or fp8 block-scaled multiply.
+
+    ``gemm`` is the dense multiply, ``F.linear`` until :func:`configure_gemms` picks the platform's path at load
+    (:func:`metainfer_gen.kernels.gemm.select_linear`: rows padded to a bucket on oneDNN bf16)."""
 
     fp8_eligible = True
+    gemm = staticmethod(F.linear)
 
     def __init__(self, weight_shape: tuple[int, int], bias_size: int | None, tp: TensorParallel,
                  weight_shard: Shard | None = None, bias_shard: Shard | None = None):
@@ -57,7 +61,29 @@ class LinearBase(nn.Module):
             from metainfer_gen.kernels import fp8_linear
 
             return fp8_linear(x, self.weight, self.weight_scale_inv, bias)
-        return F.linear(x, self.weight, bias)
+        return self.gemm(x, self.weight, bias)
+
+
+def configure_gemms(model: nn.Module) -> int:
+    """Give every dense linear of ``model`` (layers with a ``gemm`` attribute: :class:`LinearBase`, the LM head) the
+    GEMM implementation for its weight's dtype and device, chosen once and audited at site ``llm.linear``
+    (:func:`metainfer_gen.kernels.gemm.select_linear`); fp8 layers keep their block GEMM. Returns how many layers
+    were configured. Call again after moving the model to another device or dtype."""
+    from metainfer_gen.kernels.gemm import select_linear
+
+    chosen: dict[tuple, object] = {}
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not hasattr(type(module), "gemm") or weight is None or not weight.is_floating_point() \
+                or weight.element_size() < 2 or weight.is_meta:
+            continue
+        key = (weight.device, weight.dtype)
+        if key not in chosen:
+            chosen[key] = select_linear(weight.device, weight.dtype)
+        module.gemm = chosen[key]
+        count += 1
+    return count
 
 
 class ReplicatedLinear(LinearBase):

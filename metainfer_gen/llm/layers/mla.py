@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from metainfer_gen import kernels
+from metainfer_gen.kernels.gemm import bucketed_bmm
 from metainfer_gen.llm.attention_metadata import AttentionMetadata
 from metainfer_gen.llm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from metainfer_gen.llm.layers.mla_prefill import prefill_attention
@@ -128,15 +129,23 @@ class MLAttention(nn.Module):
         return out.flatten(1)
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
-        return w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)  # (N, dn, r), (N, dv, r)
+        """W_UK (N, dn, r) and W_UV transposed (N, r, dv), each contiguous in the run dtype: laid out once from
+        ``kv_b_proj.weight`` and kept until that weight changes (a new tensor or an in-place write)."""
+        weight = self.kv_b_proj.weight
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        cached = self.__dict__.get("_absorbed")
+        if cached is None or cached[0] != key:
+            w = weight.detach().view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+            w_uk, w_uv = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
+            cached = self.__dict__["_absorbed"] = (key, w_uk.contiguous(), w_uv.transpose(1, 2).contiguous())
+        return cached[1], cached[2]
 
     def _absorb_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """(B, N, dn), (B, N, dr) -> (B, N, r + dr): ``[q_nope @ W_UK, q_pe]`` scores a cache row
-        ``[c_kv, k_pe]`` in one matmul."""
-        q_latent = torch.einsum("bnd,ndr->bnr", q_nope, self._w_uk_uv()[0])
-        return torch.cat([q_latent, q_pe], dim=-1)
+        ``[c_kv, k_pe]`` in one matmul (one head-batched GEMM, its rows bucketed on oneDNN)."""
+        q_latent = bucketed_bmm(q_nope.transpose(0, 1), self._w_uk_uv()[0])  # (N, B, r)
+        return torch.cat([q_latent.transpose(0, 1), q_pe], dim=-1)
 
     def _unabsorb(self, out_latent: torch.Tensor) -> torch.Tensor:
         """(B, N, r) attention output over latents -> (B, N, dv) through W_UV."""
-        return torch.einsum("bnr,nvr->bnv", out_latent, self._w_uk_uv()[1])
+        return bucketed_bmm(out_latent.transpose(0, 1), self._w_uk_uv()[1]).transpose(0, 1)

@@ -1,0 +1,88 @@
+"""What bf16 costs the LLM's answers on this CPU: first-token agreement with transformers, and recall accuracy.
+
+    OMP_NUM_THREADS=2 python benchmarks/llm_bf16_quality.py            # about 2 minutes
+
+1. serve_llm.py's random DeepSeek-V3 (576-wide latent), 64 prompts of 16-200 random tokens: the share of prompts
+   whose first greedy token from our engine equals transformers' in the same dtype (bf16 and fp32 rows), and the
+   largest gap between the two engines' last-position logits (float32 values, max |ours - transformers|).
+2. The embedded LLM's held-out recall tasks (``demo_models.llm.evaluate``, 50 samples each) in float32 and bfloat16.
+
+Random weights make near-ties common (two logits within bf16's rounding), so a flipped first token in bf16 is a
+tie broken differently, not a wrong model; the logit gap row says how close they were.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from serve_models import build_random_large, random_prompts  # noqa: E402
+from table import print_table, run_footer, run_header  # noqa: E402
+
+from metainfer_gen.llm import EngineConfig, LLMEngine  # noqa: E402
+from metainfer_gen.llm.attention_metadata import AttentionMetadata  # noqa: E402
+
+
+def first_token_rows(path: Path, num_prompts: int) -> list[list[str]]:
+    from transformers import AutoModelForCausalLM
+
+    prompts = random_prompts(num_prompts, 4096, 16, 200, seed=5)
+    rows = []
+    for dtype in ("bfloat16", "float32"):
+        ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+        with torch.inference_mode():
+            ref = [ref_model(torch.tensor([p])).logits[0, -1].float() for p in prompts]
+        del ref_model
+        engine = LLMEngine.from_pretrained(path, EngineConfig(dtype=dtype, max_model_len=1024, max_num_seqs=64))
+        gaps, agree = [], 0
+        blocks = list(range(-(-200 // engine.config.block_size)))
+        with torch.inference_mode():
+            for p, r in zip(prompts, ref):  # one prefill per prompt on the first blocks; its last logits
+                meta = AttentionMetadata.build([0], [len(p)], [blocks], engine.config.block_size)
+                hidden = engine.model(torch.tensor(p), meta, engine.runner.kv_caches)
+                logits = engine.model.compute_logits(hidden[-1:])[0].float()
+                agree += int(logits.argmax()) == int(r.argmax())
+                gaps.append(float((logits - r).abs().max()))
+        rows.append(["random DeepSeek-V3 (576-wide)", dtype, f"{agree}/{len(prompts)} ({agree / len(prompts):.1%})",
+                     f"{max(gaps):.3g}", f"{sum(gaps) / len(gaps):.3g}"])
+    return rows
+
+
+def recall_rows(num_samples: int) -> tuple[list[list[str]], list[str]]:
+    from demo_models.llm.evaluate import evaluate
+
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        results = evaluate(None, num_samples, dtype)
+        rows.append([dtype] + [f"{v:.0%}" for v in results.values()])
+    return rows, list(results)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", default="/tmp/llm_profile", help="where the random checkpoint is saved")
+    parser.add_argument("--num-prompts", type=int, default=64, help="random prompts (default 64)")
+    parser.add_argument("--num-samples", type=int, default=50, help="recall samples per task (default 50)")
+    args = parser.parse_args(argv)
+    import time
+
+    start, header = time.perf_counter(), run_header()
+    path = Path(args.workdir) / "random-large"
+    if not (path / "config.json").exists():
+        build_random_large(path)
+    print(header)
+    print_table(["model", "dtype", "first token = transformers'", "max logit gap", "mean logit gap"],
+                first_token_rows(path, args.num_prompts))
+    rows, tasks = recall_rows(args.num_samples)
+    print_table(["embedded LLM dtype", *tasks], rows)
+    print(run_footer(time.perf_counter() - start))
+
+
+if __name__ == "__main__":
+    main()
