@@ -35,7 +35,7 @@ CONFIG = dict(vocab_size=32768, hidden_size=1024, intermediate_size=4096, moe_in
               n_routed_experts=80, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
               max_position_embeddings=4096, num_mtp_layers=0)
 FP8_CONFIG = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3"}
-CASES = {"bf16": ("bf16", None), "bf16->fp8": ("bf16", "fp8"), "fp8": ("fp8", None)}
+CASES = {"bf16": ("bf16", None), "bf16->fp8": ("bf16", "fp8"), "fp8": ("fp8", "fp8"), "fp8->bf16": ("fp8", None)}
 GIB = 1 << 30
 
 

@@ -55,6 +55,34 @@ def main(argv: list[str] | None = None) -> None:
         pipe.engine.generate(batches[2], params)
         print(f"profiled: {time.perf_counter() - start:.2f} s")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+    ops = decode_step_ops(pipe.engine, batches[0][:args.num_prompts], params)
+    layers = len(pipe.engine.model.model.layers)
+    print(f"aten ops in one decode step of {args.num_prompts} sequences: {ops} ({ops / layers:.0f} per layer, "
+          f"{layers} layers; top-level ops, their callees not counted)")
+
+
+def decode_step_ops(engine, prompts, params) -> int:
+    """Top-level aten ops (their callees not counted) of the first decode-only step of ``len(prompts)`` sequences
+    in a ``generate`` over ``prompts``."""
+    run, counted = engine.runner.run, []
+
+    def counting_run(out):
+        if counted or not out.scheduled or any(item.num_tokens != 1 for item in out.scheduled):
+            return run(out)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            sampled = run(out)
+        counted.append(sum(1 for e in prof.events() if e.name.startswith("aten::")
+                           and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))))
+        return sampled
+
+    engine.runner.run = counting_run
+    try:
+        engine.generate(prompts, params)
+    finally:
+        engine.runner.run = run
+    if not counted:
+        raise RuntimeError("no decode-only step: raise --output-len")
+    return counted[0]
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ def add_serve_parser(subparsers) -> None:
                    help="KV pool size in blocks (default: sized from free memory)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="weights and activations (default float32 on CPU, bfloat16 on CUDA)")
+                   help="the LLM's weights and activations (default bfloat16 where the hardware has it natively: a "
+                        "GPU, a CPU with AMX-BF16 or AVX512-BF16; float32 elsewhere; `metainfer-gen doctor` says which)")
     add_llm_engine_arguments(p)
     add_video_serve_arguments(p)
     add_tp_argument(p)

@@ -40,7 +40,9 @@ def absorbed_is_cheaper(kv_lora_rank: int, nope: int, rope: int, value: int, num
     return ABSORBED_COST_FACTOR * num_queries * (2 * r + rope) < expanded
 
 
-def decode_group_tokens(num_seqs: int, block_size: int, group_rows: int = DECODE_GROUP_ROWS) -> int:
+def decode_group_tokens(num_seqs: int, block_size: int, group_rows: int | None = None, act_bytes: int = 4) -> int:
     """Context tokens per sequence the torch decode path reads per group: whole blocks, ``group_rows`` rows over
-    the batch, at least one block."""
+    the batch (default :data:`DECODE_GROUP_ROWS` float32 rows' worth of bytes in ``act_bytes``-byte values), at
+    least one block."""
+    group_rows = group_rows or DECODE_GROUP_ROWS * 4 // act_bytes
     return max(1, group_rows // (max(1, num_seqs) * block_size)) * block_size

@@ -103,7 +103,7 @@ def decode_activation_bytes(d: ModelDims, num_seqs: int, context: int, attn_tp: 
     bsz, b = num_seqs, act_bytes
     heads = d.num_heads / attn_tp
     tokens = -(-context // block_size) * block_size
-    group = tokens if attention == "materialised" else min(tokens, decode_group_tokens(bsz, block_size))
+    group = tokens if attention == "materialised" else min(tokens, decode_group_tokens(bsz, block_size, act_bytes=b))
     # absorbed queries (sorted copy included) and the float32 running state; per group the int64 slots, the
     # gathered rows and the scores (two float32 tensors alive at once).
     attn = _projections(d, bsz, heads) * b + 3 * b * bsz * heads * d.latent_row + 12 * bsz * heads * d.kv_lora_rank
