@@ -45,16 +45,21 @@ class _Request:
 
 
 class AsyncLLMEngine:
-    """Drives ``engine`` from a background thread.
+    """Drives ``engine`` from a background thread, or from the thread that calls :meth:`run_here`.
 
     Args:
         engine: an :class:`~metainfer_gen.llm.engine.LLMEngine` with a tokenizer; nothing else may call it.
         metrics: optional observer with ``on_added(prompt_tokens)``, ``on_tokens(n, ttft_s | None, itl_s | None)``,
             ``on_finished(reason, e2e_s)`` and ``on_step(engine)`` (see :mod:`metainfer_gen.serve.metrics`).
-        idle_wait_s: how long the thread sleeps between checks when no request is open (a command wakes it).
+        idle_wait_s: how long the loop sleeps between checks when no request is open (a command wakes it).
+        start_thread: run the engine loop in a thread started here (default); False leaves it to
+            :meth:`run_here`, which ``metainfer-gen serve`` calls on the process's main thread: torch's OpenMP
+            regions opened from another thread ran about 2x slower at 2 threads (a 2,048 x 384 bf16 product
+            363 vs 274 us, an elementwise product 191 vs 106 us, on a 2-core Xeon; libgomp), which made the served
+            TPOT 36 ms against 14 ms offline.
     """
 
-    def __init__(self, engine, metrics=None, *, idle_wait_s: float = 0.5):
+    def __init__(self, engine, metrics=None, *, idle_wait_s: float = 0.5, start_thread: bool = True):
         if engine.tokenizer is None:
             raise ValueError("the server needs a checkpoint with a tokenizer (tokenizer.json)")
         self.engine = engine
@@ -68,8 +73,41 @@ class AsyncLLMEngine:
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}
         self._closing = False
         self.num_steps = 0
-        self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
-        self._thread.start()
+        self._stopped = threading.Event()  # the loop has returned (or never ran)
+        self._thread = None
+        if start_thread:
+            self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
+            self._thread.start()
+        else:
+            self._stopped.set()
+
+    def run_here(self, stop_when=None) -> None:
+        """Run the engine loop on the calling thread until :meth:`close` (from any thread), or until
+        ``stop_when()`` turns true (checked between steps and at least every ``idle_wait_s``); then abort what is
+        still open. Only for a front built with ``start_thread=False``.
+
+        Raises:
+            RuntimeError: the front runs its own thread, or is already running.
+        """
+        if self._thread is not None or not self._stopped.is_set():
+            raise RuntimeError("run_here needs a front built with start_thread=False that is not running")
+        self._stopped.clear()
+        self._stop_when = stop_when
+        try:
+            self._run()
+        finally:
+            if not self._closing:  # stopped by stop_when, or by an exception such as KeyboardInterrupt
+                self._closing = True
+                self._apply_commands()
+                self._shutdown_requests()
+            self._flush()
+            self._stopped.set()
+
+    def _loop(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._stopped.set()
 
     # -- called from the event loop (or any thread) -----------------------------------------------------------
     async def add(self, prompt_token_ids: list[int], params: SamplingParams, stop=None,
@@ -106,25 +144,33 @@ class AsyncLLMEngine:
 
     @property
     def is_alive(self) -> bool:
-        """The engine thread is running (False after ``close``)."""
-        return self._thread.is_alive() and not self._closing
+        """The engine loop is running (False after ``close``)."""
+        return not self._stopped.is_set() and not self._closing
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Abort every open request and stop the thread (waits up to ``timeout_s`` seconds)."""
+        """Abort every open request and stop the loop (waits up to ``timeout_s`` seconds for it)."""
         self._closing = True
         self._post(("close",))
-        self._thread.join(timeout_s)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        elif threading.current_thread() is not threading.main_thread() or not self._stopped.is_set():
+            self._stopped.wait(timeout_s)
+        if self._stopped.is_set() and self._thread is None:  # nothing runs the loop: apply the close here
+            self._apply_commands()
+            self._flush()
 
     def _post(self, command: tuple) -> None:
         self._commands.put(command)
         self._wake.set()
 
     # -- the engine thread ------------------------------------------------------------------------------------
+    _stop_when = None
+
     def _run(self) -> None:
         while True:
             running = self._apply_commands()
             self._flush()
-            if not running:
+            if not running or (self._stop_when is not None and self._stop_when()):
                 return
             if not self.engine.has_unfinished_requests:
                 self._wake.wait(self._idle_wait_s)
@@ -163,10 +209,14 @@ class AsyncLLMEngine:
             elif kind == "abort":
                 self._abort(command[1], "abort")
             else:
-                for request_id in list(self._requests):
-                    self._abort(request_id, "abort")
-                self._refuse_pending()
+                self._shutdown_requests()
                 return False
+
+    def _shutdown_requests(self) -> None:
+        """Abort every open request and refuse the adds still queued (the front is closing)."""
+        for request_id in list(self._requests):
+            self._abort(request_id, "abort")
+        self._refuse_pending()
 
     def _refuse_pending(self) -> None:
         """After ``close``: adds that were still queued fail instead of waiting forever."""

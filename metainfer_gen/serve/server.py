@@ -94,10 +94,11 @@ class LLMServer:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def load(cls, config: ServeConfig, pipe=None) -> "LLMServer":
+    def load(cls, config: ServeConfig, pipe=None, *, engine_thread: bool = True) -> "LLMServer":
         """Bind the port, load the model (unless ``pipe``, a loaded and warmed-up
         :class:`~metainfer_gen.pipelines.TextGenerationPipeline`, is given), build the app, then listen (uvicorn
-        accepts once it runs).
+        accepts once it runs). ``engine_thread=False`` leaves the engine loop to the caller
+        (:meth:`~metainfer_gen.serve.async_engine.AsyncLLMEngine.run_here`, as :meth:`run_forever` does).
 
         Raises:
             ImportError: the serve extra is missing. OSError: the address is taken or not this machine's.
@@ -109,7 +110,7 @@ class LLMServer:
         if config.switch_interval_s is not None:
             sys.setswitchinterval(config.switch_interval_s)
         try:
-            server = cls._load(config, sock, pipe)
+            server = cls._load(config, sock, pipe, engine_thread)
         except BaseException:
             sock.close()
             raise
@@ -117,7 +118,7 @@ class LLMServer:
         return server
 
     @classmethod
-    def _load(cls, config: ServeConfig, sock: socket.socket, pipe=None) -> "LLMServer":
+    def _load(cls, config: ServeConfig, sock: socket.socket, pipe=None, engine_thread: bool = True) -> "LLMServer":
         from metainfer_gen.pipelines.text_generation import TextGenerationPipeline, default_llm_dir
         from metainfer_gen.serve.async_engine import AsyncLLMEngine
         from metainfer_gen.serve.metrics import ServerMetrics
@@ -132,7 +133,7 @@ class LLMServer:
             if pipe is None:
                 pipe = TextGenerationPipeline.from_pretrained(config.llm, warmup=True, **pipeline_options(config))
             metrics = ServerMetrics(name)
-            front = AsyncLLMEngine(pipe.engine, metrics)
+            front = AsyncLLMEngine(pipe.engine, metrics, start_thread=engine_thread)
         try:
             video = VideoService.start(config.video) if config.video is not None else None
             app = serving_app(front, metrics, AppSettings(name, config.api_key, config.max_body_bytes), video)
@@ -164,13 +165,30 @@ class LLMServer:
     # -- running ----------------------------------------------------------------------------------------------
     @classmethod
     def run_forever(cls, config: ServeConfig, log_level: str = "info", pipe=None) -> None:
-        """Load (or take ``pipe``), bind and serve until Ctrl-C / SIGTERM (uvicorn's signal handling), then close
-        the engine thread."""
-        server = cls.load(config, pipe)
+        """Load (or take ``pipe``), bind and serve until Ctrl-C / SIGTERM, then close everything.
+
+        The engine loop runs on this (the main) thread and uvicorn on a thread of its own: torch's OpenMP regions
+        opened from a second thread ran about 2x slower (see
+        :class:`~metainfer_gen.serve.async_engine.AsyncLLMEngine`). SIGTERM is turned into the KeyboardInterrupt
+        of Ctrl-C here, since uvicorn installs no signal handlers off the main thread."""
+        import signal
+
+        server = cls.load(config, pipe, engine_thread=False)
+        uv = server._uvicorn = server._uvicorn_server(log_level)
+        server._thread = threading.Thread(target=uv.run, kwargs={"sockets": [server._socket]}, name="uvicorn",
+                                          daemon=True)
+        previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        server._thread.start()
         print(f"serving {server.model_name!r} on {server.base_url} (OpenAI API; /health, /metrics)", flush=True)
         try:
-            server._uvicorn_server(log_level).run(sockets=[server._socket])
+            if server.front is not None:
+                server.front.run_here(stop_when=lambda: not server._thread.is_alive())
+            while server._thread.is_alive():  # no LLM (video only), or the engine loop ended first
+                server._thread.join(0.5)
+        except KeyboardInterrupt:
+            pass
         finally:
+            signal.signal(signal.SIGTERM, previous)
             server.close()
 
     @classmethod
@@ -210,6 +228,10 @@ class LLMServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _raise_keyboard_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def pipeline_options(config: ServeConfig) -> dict:

@@ -114,3 +114,48 @@ def test_close_ends_open_streams(engine):
 
     assert asyncio.run(main()).finish_reason == "abort"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks and not front.is_alive
+
+
+def test_the_loop_can_run_on_the_calling_thread(engine):
+    """``start_thread=False``: the engine steps on the thread that calls ``run_here`` (the server's main thread),
+    clients on another; ``close`` from the client's thread ends the loop and frees every block."""
+    front = AsyncLLMEngine(engine, start_thread=False, idle_wait_s=0.05)
+    assert not front.is_alive
+    prompts = ["one two", "three four five", "six"]
+    results = {}
+
+    def client():
+        async def main():
+            streams = [await front.add(ids(engine, p), SamplingParams(max_new_tokens=5, **GREEDY)) for p in prompts]
+            return await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams)), 30)
+
+        results["texts"] = [text for text, _ in asyncio.run(main())]
+        long = asyncio.run(_open_one(front, engine))  # left open: close must abort it
+        results["open"] = long
+        front.close(timeout_s=10)
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    front.run_here()  # returns once the client closes the front
+    thread.join(30)
+    assert not thread.is_alive() and not front.is_alive
+    offline = engine.generate(prompts, SamplingParams(max_new_tokens=5, **GREEDY))
+    assert results["texts"] == [o.text for o in offline]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    with pytest.raises(RuntimeError, match="start_thread=False"):
+        AsyncLLMEngine(engine).run_here()
+
+
+def test_run_here_stops_when_asked_and_aborts_what_is_open(engine):
+    front = AsyncLLMEngine(engine, start_thread=False, idle_wait_s=0.05)
+    deadline = threading.Event()
+    threading.Timer(0.5, deadline.set).start()
+    front.run_here(stop_when=deadline.is_set)  # the server passes "uvicorn's thread has ended"
+    assert not front.is_alive
+    front.close()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+async def _open_one(front, engine):
+    stream = await front.add(ids(engine, "one two three"), SamplingParams(max_new_tokens=40, **GREEDY))
+    return stream.request_id
