@@ -1,0 +1,67 @@
+"""Seconds per offline batch of the engine, batch after batch, optionally from another checkout (an A/B of commits).
+
+    OMP_NUM_THREADS=2 python benchmarks/llm_batches.py --dtype bfloat16 --prompt-lens 512,1024 --output-len 4
+    git worktree add /tmp/old c578a0c
+    OMP_NUM_THREADS=2 python benchmarks/llm_batches.py --checkout /tmp/old --dtype bfloat16      # the same, old code
+
+The model is serve_llm.py's random DeepSeek-V3 (576-wide latent), saved once under ``--workdir``; each batch is
+``--num-prompts`` fresh random prompts (seeds 1, 2, ...) with greedy ``--output-len`` tokens (``ignore_eos``), after
+the engine's warm-up. Prints one line: the checkout, dtype, shapes and the seconds of every batch (the first batch
+of a process pays what the warm-up did not cover). Run the sides one after the other with nothing else running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkout", default=str(HERE.parent), help="the checkout whose metainfer_gen runs "
+                        "(default: this one)")
+    parser.add_argument("--workdir", default="/tmp/llm_profile", help="where the random checkpoint is saved")
+    parser.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16 (default bfloat16)")
+    parser.add_argument("--num-prompts", type=int, default=64, help="prompts per batch (default 64)")
+    parser.add_argument("--prompt-lens", default="512,1024", help="prompt lengths lo,hi (default 512,1024)")
+    parser.add_argument("--output-len", type=int, default=4, help="greedy tokens per prompt (default 4)")
+    parser.add_argument("--batches", type=int, default=3, help="batches in a row (default 3)")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(HERE))
+    from serve_models import build_random_large, random_prompts
+
+    sys.path = [p for p in sys.path if Path(p or ".").resolve() != HERE.parent]  # serve_models adds this checkout
+    sys.path.insert(0, str(Path(args.checkout).resolve()))
+    for name in [m for m in sys.modules if m == "metainfer_gen" or m.startswith("metainfer_gen.")]:
+        del sys.modules[name]
+    import metainfer_gen
+    from metainfer_gen.llm.sequence import SamplingParams
+    from metainfer_gen.pipelines.text_generation import TextGenerationPipeline
+
+    path = Path(args.workdir) / "random-large"
+    if not (path / "config.json").exists():
+        build_random_large(path)
+    lo, hi = (int(v) for v in args.prompt_lens.split(","))
+    pipe = TextGenerationPipeline.from_pretrained(str(path), warmup=True, max_num_seqs=args.num_prompts,
+                                                  max_model_len=max(1024, hi + args.output_len),
+                                                  torch_dtype=args.dtype)
+    params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    seconds, tokens = [], 0
+    for seed in range(1, args.batches + 1):
+        prompts = random_prompts(args.num_prompts, 1000, lo, hi, seed)
+        tokens = sum(map(len, prompts))
+        start = time.perf_counter()
+        pipe.engine.generate(prompts, params)
+        seconds.append(time.perf_counter() - start)
+    print(f"{Path(metainfer_gen.__file__).parents[1]} {args.dtype} {args.num_prompts} x {lo}-{hi} tokens, "
+          f"{args.output_len} out: " + " / ".join(f"{s:.2f}" for s in seconds) + " s per batch; last batch "
+          f"{tokens / seconds[-1]:,.0f} input tok/s, {args.num_prompts * args.output_len / seconds[-1]:,.0f} "
+          f"output tok/s")
+
+
+if __name__ == "__main__":
+    main()
