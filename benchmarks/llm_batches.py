@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, default=3, help="batches in a row (default 3)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(HERE))
-    from serve_models import build_random_large, random_prompts
+    from serve_models import random_large_pipeline, random_prompts
 
     sys.path = [p for p in sys.path if Path(p or ".").resolve() != HERE.parent]  # serve_models adds this checkout
     sys.path.insert(0, str(Path(args.checkout).resolve()))
@@ -40,15 +40,9 @@ def main(argv: list[str] | None = None) -> None:
         del sys.modules[name]
     import metainfer_gen
     from metainfer_gen.llm.sequence import SamplingParams
-    from metainfer_gen.pipelines.text_generation import TextGenerationPipeline
 
-    path = Path(args.workdir) / "random-large"
-    if not (path / "config.json").exists():
-        build_random_large(path)
-    lo, hi = (int(v) for v in args.prompt_lens.split(","))
-    pipe = TextGenerationPipeline.from_pretrained(str(path), warmup=True, max_num_seqs=args.num_prompts,
-                                                  max_model_len=max(1024, hi + args.output_len),
-                                                  torch_dtype=args.dtype)
+    pipe, lo, hi = random_large_pipeline(args.workdir, args.num_prompts, args.prompt_lens, args.output_len,
+                                         args.dtype)
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     seconds, tokens = [], 0
     for seed in range(1, args.batches + 1):

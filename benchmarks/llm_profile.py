@@ -19,10 +19,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_models import build_random_large, random_prompts  # noqa: E402
+from serve_models import random_large_pipeline, random_prompts  # noqa: E402
 
 from metainfer_gen.llm.sequence import SamplingParams  # noqa: E402
-from metainfer_gen.pipelines.text_generation import TextGenerationPipeline  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,13 +34,8 @@ def main(argv: list[str] | None = None) -> None:
                         "the prefill-heavy row is 512,1024 with --output-len 4)")
     parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the engine's default)")
     args = parser.parse_args(argv)
-    path = Path(args.workdir) / "random-large"
-    if not (path / "config.json").exists():
-        build_random_large(path)
-    lo, hi = (int(v) for v in args.prompt_lens.split(","))
-    pipe = TextGenerationPipeline.from_pretrained(str(path), warmup=True, max_num_seqs=args.num_prompts,
-                                                  max_model_len=max(1024, hi + args.output_len),
-                                                  torch_dtype=args.dtype)
+    pipe, lo, hi = random_large_pipeline(args.workdir, args.num_prompts, args.prompt_lens, args.output_len,
+                                         args.dtype)
     print(f"dtype {pipe.engine.dtype}")
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     batches = [random_prompts(args.num_prompts, 1000, lo, hi, seed) for seed in (1, 2, 3)]  # no shared prefixes

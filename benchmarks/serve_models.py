@@ -35,6 +35,21 @@ def build_random_large(out: Path, quick: bool = False, seed: int = 0) -> Path:
     return out
 
 
+def random_large_pipeline(workdir: str | Path, num_prompts: int, prompt_lens: str, output_len: int, dtype):
+    """The warmed-up pipeline over the random checkpoint under ``workdir`` (built on first use) that
+    ``llm_profile.py`` and ``llm_batches.py`` time: batch ``num_prompts``, context for the longest prompt of
+    ``prompt_lens`` ("lo,hi") plus ``output_len``; returns ``(pipe, lo, hi)``."""
+    from metainfer_gen.pipelines.text_generation import TextGenerationPipeline
+
+    path = Path(workdir) / "random-large"
+    if not (path / "config.json").exists():
+        build_random_large(path)
+    lo, hi = (int(v) for v in prompt_lens.split(","))
+    pipe = TextGenerationPipeline.from_pretrained(str(path), warmup=True, max_num_seqs=num_prompts,
+                                                  max_model_len=max(1024, hi + output_len), torch_dtype=dtype)
+    return pipe, lo, hi
+
+
 def save_word_tokenizer(out: Path, vocab_size: int) -> None:
     """A WordLevel tokenizer mapping id i to the word ``w<i>`` (whitespace-split), saved in the transformers
     layout both venvs read (tokenizer.json + tokenizer_config.json)."""
