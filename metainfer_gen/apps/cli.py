@@ -88,7 +88,7 @@ def _add_doctor_parser(subparsers) -> None:
     p.add_argument("--device", default=None, help="device of the example inputs: cpu, cuda (default: cuda if "
                                                    "available)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="dtype of the example inputs (default: the LLM engine's default here)")
+                   help="dtype of the example inputs (default bfloat16 on CUDA, float32 on CPU)")
 
     def cmd_doctor(args: argparse.Namespace) -> int:
         from metainfer_gen.apps.doctor import cmd_doctor as run

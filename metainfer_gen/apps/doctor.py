@@ -42,8 +42,8 @@ def collect(device: str | None = None, dtype: str | None = None) -> dict:
 
     Args:
         device: where the example inputs live ("cpu", "cuda"); default CUDA when present, else CPU.
-        dtype: "float32", "bfloat16" or "float16"; default the LLM engine's run dtype here
-            (:func:`metainfer_gen.platform.native_dtype`).
+        dtype: "float32", "bfloat16" or "float16" of the example inputs; default bfloat16 on a GPU, float32 on a
+            CPU (the LLM engine's own dtype is reported beside: ``report["llm"]``).
     Raises:
         ValueError: unknown dtype.
     """
@@ -54,7 +54,7 @@ def collect(device: str | None = None, dtype: str | None = None) -> dict:
 
     caps = platform.capabilities()
     device = device or ("cuda" if caps.has_gpu else "cpu")
-    dtype = dtype or str(platform.native_dtype(device)).removeprefix("torch.")
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16; got {dtype!r}")
     triton = platform.triton_status()

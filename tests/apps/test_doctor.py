@@ -112,7 +112,7 @@ def test_the_llm_section_names_the_matmul_path_and_the_fp32_fast_path_not_taken(
     amx = platform.Capabilities(device_kind=platform.DeviceKind.CPU, bf16=True, cpu_matrix="amx_bf16",
                                 cpu_capability="AVX512")
     with platform.override_capabilities(amx):
-        report = doctor.collect()
+        report = doctor.collect(dtype="bfloat16")
         out = io.StringIO()
         doctor.render(report, out)
     text = out.getvalue()

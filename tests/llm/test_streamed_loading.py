@@ -14,6 +14,7 @@ import torch
 
 from metainfer_gen import kernels
 from metainfer_gen.llm import EngineConfig, LLMEngine, SamplingParams
+from metainfer_gen.llm.weight_fill import DEQUANT_BYTES
 from metainfer_gen.llm.loader import load_config, load_model
 from metainfer_gen.llm.parallel import TensorParallel
 from tests.llm.checkpoints import hf_greedy, make_hf_model, random_prompts, save_fp8_checkpoint
@@ -194,7 +195,8 @@ def memory_workdir(tmp_path_factory):
 def test_peak_host_memory_while_loading_stays_near_the_weights(memory_workdir, case):
     """In a fresh process: peak RSS above the baseline <= 1.15x the rank's weight bytes + 48 MB (the mapped-page
     budget, one tensor, allocator slack); reading whole shards would add a shard or more. ("fp8", None): an FP8
-    checkpoint dequantised at load on the CPU, to bf16 weights twice its size, one 128-row group at a time.)"""
+    checkpoint dequantised at load on the CPU, to bf16 weights twice its size, one 128-row group at a time, that
+    group's float32 in flight on top.)"""
     kind, quantization, tp_size = case
     script = f"""
 import json, sys, torch
@@ -217,4 +219,6 @@ print(json.dumps({{"peak": rss.peak - rss.baseline, "weights": bench.model_bytes
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["weights"] > 40 << 20
-    assert result["peak"] <= 1.15 * result["weights"] + (48 << 20), result
+    # Dequantising at load also holds one float32 group of 128-row tiles (weight_fill.DEQUANT_BYTES) in flight.
+    in_flight = DEQUANT_BYTES if (kind, quantization) == ("fp8", None) else 0
+    assert result["peak"] <= 1.15 * result["weights"] + (48 << 20) + in_flight, result
