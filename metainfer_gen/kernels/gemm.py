@@ -4,7 +4,7 @@ On a CPU, a bf16 ``F.linear``/``bmm`` goes to oneDNN, which builds (JIT-compiles
 caches it. Prefill chunks, MoE expert runs and decode batches give a different row count almost every call, so
 without care nearly every call pays the build: on a 2-core Xeon with AMX-BF16, a (M, 384) x (384, 384) bf16 GEMM
 with M drawn from 300..700 ran at 0.10 TFLOP/s on first sight of each M and 0.92-1.18 TFLOP/s once its kernel was
-cached (benchmarks/gemm.py). ``bucketed`` pads the rows of ``x`` up to :func:`bucket_rows` so that a few dozen
+cached (docs/kernels.md, "linear"). ``bucketed`` pads the rows of ``x`` up to :func:`bucket_rows` so that a few dozen
 shapes cover every call, all built once (the engine's warm-up runs each bucket), and slices the result back.
 
 Implementations of the ``linear`` op (``y = x @ W.T (+ b)``, x (M, K), W (N, K)):
@@ -26,9 +26,8 @@ import torch.nn.functional as F
 
 from metainfer_gen.kernels.registry import Op, register_op
 
-__all__ = ["LINEAR", "bucket_rows", "bucketed_bmm", "bucketed_supports", "linear_bucketed", "linear_buckets", "matmul_path",
-           "record_matmul_path", "select_linear",
-           "warm_linear_buckets"]
+__all__ = ["LINEAR", "bucket_rows", "bucketed_bmm", "bucketed_supports", "linear_bucketed", "linear_buckets",
+           "matmul_path", "record_matmul_path", "select_linear", "warm_linear_buckets"]
 
 
 def bucket_rows(m: int) -> int:
@@ -52,9 +51,11 @@ def linear_buckets(max_rows: int) -> list[int]:
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    padded = x.new_empty(rows, x.shape[1])
-    padded[: x.shape[0]].copy_(x)
-    padded[x.shape[0]:].zero_()
+    """x (..., M, K) with zero rows appended along M up to ``rows``."""
+    m = x.shape[-2]
+    padded = x.new_empty(*x.shape[:-2], rows, x.shape[-1])
+    padded[..., :m, :].copy_(x)
+    padded[..., m:, :].zero_()
     return padded
 
 
@@ -76,9 +77,7 @@ def bucketed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     rows = bucket_rows(m)
     if a.device.type != "cpu" or a.dtype == torch.float32 or rows == m or m == 0:
         return torch.bmm(a, b)
-    padded = a.new_zeros(a.shape[0], rows, a.shape[2])
-    padded[:, :m].copy_(a)
-    return torch.bmm(padded, b)[:, :m]
+    return torch.bmm(_pad_rows(a, rows), b)[:, :m]
 
 
 def bucketed_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
@@ -106,7 +105,7 @@ LINEAR.register("torch", F.linear, description="F.linear")
 
 @torch.inference_mode()
 def warm_linear_buckets(weights, max_rows: int) -> int:
-    """Run every bucket of 1..``max_rows`` rows once through :func:`linear_bucketed` for each distinct weight shape
+    """Run a GEMM of every bucket of 1..``max_rows`` rows (:func:`linear_buckets`) once for each distinct weight shape
     (K, N, dtype, device) among ``weights`` (2-D dense tensors; others are skipped), so that oneDNN has built every
     kernel a later step can ask for. Returns the number of GEMMs run (about 40 per shape at 2,048 rows, ~1 ms
     each on first sight)."""

@@ -153,9 +153,8 @@ class AsyncLLMEngine:
         self._post(("close",))
         if self._thread is not None:
             self._thread.join(timeout_s)
-        elif threading.current_thread() is not threading.main_thread() or not self._stopped.is_set():
-            self._stopped.wait(timeout_s)
-        if self._stopped.is_set() and self._thread is None:  # nothing runs the loop: apply the close here
+            return
+        if self._stopped.wait(timeout_s):  # run_here has returned, or never ran: apply the close here
             self._apply_commands()
             self._flush()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -129,10 +130,11 @@ def test_the_loop_can_run_on_the_calling_thread(engine):
             streams = [await front.add(ids(engine, p), SamplingParams(max_new_tokens=5, **GREEDY)) for p in prompts]
             return await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams)), 30)
 
-        results["texts"] = [text for text, _ in asyncio.run(main())]
-        long = asyncio.run(_open_one(front, engine))  # left open: close must abort it
-        results["open"] = long
-        front.close(timeout_s=10)
+        try:
+            results["texts"] = [text for text, _ in asyncio.run(main())]
+            results["open"] = asyncio.run(_open_one(front, engine))  # left open: close must abort it
+        finally:  # whatever failed, the loop below must return
+            front.close(timeout_s=10)
 
     thread = threading.Thread(target=client)
     thread.start()
@@ -150,7 +152,12 @@ def test_run_here_stops_when_asked_and_aborts_what_is_open(engine):
     front = AsyncLLMEngine(engine, start_thread=False, idle_wait_s=0.05)
     deadline = threading.Event()
     threading.Timer(0.5, deadline.set).start()
+    safety = threading.Timer(20, front.close)  # ends the loop if stop_when were ignored, so the test fails, not hangs
+    safety.start()
+    start = time.monotonic()
     front.run_here(stop_when=deadline.is_set)  # the server passes "uvicorn's thread has ended"
+    safety.cancel()
+    assert time.monotonic() - start < 10, "run_here ignored stop_when"
     assert not front.is_alive
     front.close()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
