@@ -16,6 +16,9 @@ import pytest
 # itself and every server it starts, so token checks against transformers do not depend on the machine that runs them.
 # Tests of the automatic choice clear it (tests/test_platform_dtype.py).
 os.environ["METAINFER_DEFAULT_DTYPE"] = "float32"
+# A CPU engine compiles its decode step once per batch size (llm/compiled_decode.py), seconds per size: the suite runs
+# eager engines and tests the compiled step where it says so (tests/llm/test_compiled_decode.py clears this).
+os.environ["METAINFER_ENFORCE_EAGER"] = "1"
 
 Z_DIM = 4  # latent channels of the tiny VAE
 

@@ -65,7 +65,7 @@ def linear_bucketed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
     rows = bucket_rows(m)
-    if rows == m or m == 0:
+    if rows == m or m == 0 or torch.compiler.is_compiling():  # a compiled graph has its own GEMM per shape
         return F.linear(x, weight, bias)
     return F.linear(_pad_rows(x2, rows), weight, bias)[:m].view(*lead, weight.shape[0])
 
@@ -75,7 +75,7 @@ def bucketed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     (the same per-shape kernel builds as :func:`linear_bucketed`); plain ``bmm`` elsewhere."""
     m = a.shape[1]
     rows = bucket_rows(m)
-    if a.device.type != "cpu" or a.dtype == torch.float32 or rows == m or m == 0:
+    if a.device.type != "cpu" or a.dtype == torch.float32 or rows == m or m == 0 or torch.compiler.is_compiling():
         return torch.bmm(a, b)
     return torch.bmm(_pad_rows(a, rows), b)[:, :m]
 

@@ -4,7 +4,6 @@
     outputs = engine.generate(["The capital of France is"], SamplingParams(max_new_tokens=8, temperature=0))
     for delta in engine.stream(["Once upon a time"]):   # incremental RequestOutputs
         print(delta.new_token_ids)
-
 Structure follows nano-vllm (``LLMEngine`` -> ``Scheduler`` + ``BlockManager`` -> ``ModelRunner``); request
 checks and outputs follow vLLM. Correctness reference: transformers' ``generate`` on the same checkpoint.
 """
@@ -18,8 +17,11 @@ from pathlib import Path
 
 import torch
 
+from metainfer_gen.kernels.gemm import record_matmul_path
 from metainfer_gen.llm.block_manager import BlockManager
+from metainfer_gen.llm.compiled_decode import choose_decode_path
 from metainfer_gen.llm.config import EngineConfig
+from metainfer_gen.llm.layers.linear import configure_gemms
 from metainfer_gen.llm.model_runner import ModelRunner, kv_cache_bytes_per_block
 from metainfer_gen.llm.outputs import RequestOutput
 from metainfer_gen.llm.scheduler import Scheduler
@@ -53,9 +55,6 @@ class LLMEngine:
         self.tokenizer = tokenizer
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
-        from metainfer_gen.kernels.gemm import record_matmul_path
-        from metainfer_gen.llm.layers.linear import configure_gemms
-
         configure_gemms(model)  # the platform's GEMM path per layer, chosen once (audited at llm.linear)
         self.matmul_path = record_matmul_path(self.device, self.dtype)
         self.weight_format = getattr(model, "weight_format", None)  # fp8 kept, dequantised at load, or dense
@@ -72,12 +71,13 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    max_model_len=max_model_len, eos_token_ids=eos_token_ids)
-        on_cuda = self.device.type == "cuda"
-        static = bool(config.static_decode)  # opt-in: see EngineConfig.static_decode
+        self.decode_path = choose_decode_path(model, config, self.device)  # "compiled", "eager"; None on a GPU
+        compiled = self.decode_path == "compiled"
+        static = bool(config.static_decode) or compiled  # on CUDA opt-in: see EngineConfig.static_decode
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size, dtype=self.cache_dtype,
                                   device=self.device, seed=config.seed, static_decode=static,
-                                  cuda_graphs=static and on_cuda and not config.enforce_eager
-                                  and config.tensor_parallel_size == 1,
+                                  cuda_graphs=static and self.device.type == "cuda" and not config.enforce_eager
+                                  and config.tensor_parallel_size == 1, compiled_decode=compiled,
                                   max_num_seqs=config.max_num_seqs, max_model_len=max_model_len)
         self._requests: dict[str, Sequence] = {}
         self.compile_guard = contextlib.nullcontext  # every step runs in it: no_new_compiles once warmed up

@@ -30,17 +30,19 @@ class ModelRunner:
         dtype, device: of the cache (the model's).
         seed: generator seed for requests without their own.
         static_decode: run decode-only steps of up to ``max_num_seqs`` sequences on static buffers (needs
-            ``max_num_seqs`` and ``max_model_len``); ``cuda_graphs`` replays them as CUDA graphs.
+            ``max_num_seqs`` and ``max_model_len``); ``cuda_graphs`` replays them as CUDA graphs,
+            ``compiled_decode`` runs them as one compiled graph per batch size (CPU).
     """
 
     def __init__(self, model, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                 seed: int = 0, static_decode: bool = False, cuda_graphs: bool = False, max_num_seqs: int = 1,
-                 max_model_len: int = 1):
+                 seed: int = 0, static_decode: bool = False, cuda_graphs: bool = False, compiled_decode: bool = False,
+                 max_num_seqs: int = 1, max_model_len: int = 1):
         self.model = model
         self.block_size = block_size
         self.device = device
         row = model.cache_row_size
-        self.kv_caches = [torch.zeros(num_blocks, block_size, 1, row, dtype=dtype, device=device)
+        sink = 1 if compiled_decode else 0  # a block past the pool: the padding rows of compiled steps write there
+        self.kv_caches = [torch.zeros(num_blocks + sink, block_size, 1, row, dtype=dtype, device=device)
                           for _ in model.model.layers]
         self._default_generator = torch.Generator().manual_seed(seed)
         self._generators: dict[int, torch.Generator] = {}
@@ -49,7 +51,8 @@ class ModelRunner:
             from metainfer_gen.llm.static_decode import StaticDecode
 
             self.static = StaticDecode(model, self.kv_caches, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                       block_size=block_size, use_cuda_graphs=cuda_graphs)
+                                       block_size=block_size, use_cuda_graphs=cuda_graphs,
+                                       compiled=compiled_decode, sink_slot=num_blocks * block_size if sink else None)
 
     def generator_for(self, seq) -> torch.Generator:
         if seq.params.seed is None:

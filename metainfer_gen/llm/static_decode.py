@@ -45,7 +45,7 @@ class DecodeBuffers:
     """Inputs and output of the static decode step, ``S = max ladder size`` rows (int64 unless noted).
 
     Attributes:
-        input_ids, positions, slot_mapping, context_lens: (S,); padding rows 0, 0, -1, 1.
+        input_ids, positions, slot_mapping, context_lens: (S,); padding rows 0, 0, -1 (or the sink slot), 1.
         block_tables: (S, max_blocks), -1 past a row's blocks; padding rows read block 0.
         decode_tokens: (S,) ``arange`` (each row is one token), never changes.
         hidden: (S, hidden_size) in the model dtype, the model's output (rows past the batch are garbage).
@@ -76,7 +76,7 @@ class DecodeBuffers:
         return self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.block_tables
 
     def fill(self, size: int, width: int, token_ids: list[int], block_tables: list[list[int]],
-             context_lens: list[int], block_size: int) -> None:
+             context_lens: list[int], block_size: int, pad_slot: int = -1) -> None:
         """Write rows ``[0, size)`` (block-table columns ``[0, width)``): the ``B = len(token_ids)`` real rows, then
         padding rows up to ``size``.
 
@@ -90,8 +90,8 @@ class DecodeBuffers:
         table = torch.full((size, width), -1, dtype=torch.long)
         for i, blocks in enumerate(block_tables):
             table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        table[num_real:, 0] = 0  # padding rows read slot 0 (context length 1) and write nowhere (slot -1)
-        host = (token_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad, context_lens + [1] * pad)
+        table[num_real:, 0] = 0  # padding rows read slot 0 (context length 1) and write pad_slot (-1: nowhere)
+        host = (token_ids + [0] * pad, positions + [0] * pad, slots + [pad_slot] * pad, context_lens + [1] * pad)
         for buffer, values in zip((self.input_ids, self.positions, self.slot_mapping, self.context_lens), host):
             buffer[:size].copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
         self.block_tables[:size, :width].copy_(table, non_blocking=True)
@@ -102,12 +102,20 @@ def decode_metadata(buffers: DecodeBuffers, size: int, width: int, block_size: i
 
     ``starts``/``context_lens`` (host lists, read only by the prefill path) are left empty: a graph would freeze them.
     """
-    table = buffers.block_tables[:size, :width]  # (S, W)
-    return AttentionMetadata(positions=buffers.positions[:size], slot_mapping=buffers.slot_mapping[:size],
+    return rows_metadata(buffers.positions[:size], buffers.slot_mapping[:size], buffers.context_lens[:size],
+                         buffers.block_tables[:size, :width], buffers.decode_tokens[:size], block_size)
+
+
+def rows_metadata(positions: torch.Tensor, slot_mapping: torch.Tensor, context_lens: torch.Tensor,
+                  block_tables: torch.Tensor, decode_tokens: torch.Tensor, block_size: int) -> AttentionMetadata:
+    """Attention metadata of a decode-only step of ``S = len(positions)`` rows (one token each) from its tensors:
+    positions, slot_mapping, context_lens, decode_tokens (S,) int64 and block_tables (S, W)."""
+    size = positions.shape[0]
+    return AttentionMetadata(positions=positions, slot_mapping=slot_mapping,
                              query_lens=[1] * size, starts=[], context_lens=[], query_offsets=list(range(size + 1)),
-                             decode_rows=list(range(size)), decode_tokens=buffers.decode_tokens[:size],
+                             decode_rows=list(range(size)), decode_tokens=decode_tokens,
                              prefill_rows=[], prefill_slots=[],
-                             decode_block_tables=table, decode_context_lens=buffers.context_lens[:size],
+                             decode_block_tables=block_tables, decode_context_lens=context_lens,
                              block_size=block_size)
 
 
@@ -121,12 +129,16 @@ class StaticDecode:
         max_model_len: context length; block tables get ``ceil(max_model_len / block_size)`` columns.
         block_size: tokens per KV block.
         use_cuda_graphs: capture and replay graphs (CUDA only); False runs the buffers eagerly.
+        compiled: run each batch size's forward as one ``torch.compile``'d graph (the CPU's analog of CUDA
+            graphs, :mod:`metainfer_gen.llm.compiled_decode`); built on the first step of each size.
+        sink_slot: the cache slot padding rows write (needed by ``compiled``: a traced write has no -1 to skip);
+            None: padding rows write nowhere (slot -1).
     Raises:
         ValueError: ``use_cuda_graphs`` on a non-CUDA device.
     """
 
     def __init__(self, model, kv_caches: list[torch.Tensor], *, max_num_seqs: int, max_model_len: int,
-                 block_size: int, use_cuda_graphs: bool):
+                 block_size: int, use_cuda_graphs: bool, compiled: bool = False, sink_slot: int | None = None):
         param = next(model.parameters())
         if use_cuda_graphs and param.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the model is on {param.device} (set enforce_eager)")
@@ -141,6 +153,14 @@ class StaticDecode:
         self.widths = batch_size_ladder(self.max_blocks)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
+        if compiled and sink_slot is None:
+            raise ValueError("a compiled decode step needs a sink_slot for its padding rows")
+        self.pad_slot = -1 if sink_slot is None else sink_slot
+        self.compiled = None
+        if compiled:
+            from metainfer_gen.llm.compiled_decode import CompiledDecode
+
+            self.compiled = CompiledDecode(self._rows_forward, len(self.ladder))
         self.num_steps = 0  # static steps run (eager or replayed), for tests and logs
         self.last_shape: tuple[int, int] | None = None
 
@@ -164,7 +184,7 @@ class StaticDecode:
         tables = [i.seq.block_table for i in items]
         shape = self.padded_size(len(items)), self.padded_width(max(len(t) for t in tables))
         self.buffers.fill(*shape, [i.seq.token_ids[i.start] for i in items], tables, [i.start + 1 for i in items],
-                          self.block_size)
+                          self.block_size, self.pad_slot)
         if shape in self.graphs:
             self.graphs[shape].replay()
         elif self.use_cuda_graphs:
@@ -177,8 +197,20 @@ class StaticDecode:
 
     def _forward(self, shape: tuple[int, int]) -> None:
         buffers, size = self.buffers, shape[0]
+        if self.compiled is not None:  # the whole table: the attention op trims it, so W is no graph dimension
+            buffers.hidden[:size] = self.compiled(buffers.input_ids[:size], buffers.positions[:size],
+                                                  buffers.slot_mapping[:size], buffers.context_lens[:size],
+                                                  buffers.block_tables[:size])
+            return
         meta = decode_metadata(buffers, *shape, self.block_size)
         buffers.hidden[:size] = self.model(buffers.input_ids[:size], meta, self.kv_caches)
+
+    def _rows_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                      context_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """The model on one decode row per sequence (what :class:`CompiledDecode` compiles per size)."""
+        meta = rows_metadata(positions, slot_mapping, context_lens, block_tables,
+                             self.buffers.decode_tokens[: input_ids.shape[0]], self.block_size)
+        return self.model(input_ids, meta, self.kv_caches)
 
     def _capture(self, shape: tuple[int, int]) -> None:
         """Run and capture the ``(size, width)`` step. The buffers already hold this step's rows, so the eager warm-up

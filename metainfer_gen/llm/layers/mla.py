@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from metainfer_gen import kernels
+from metainfer_gen.llm import graph_ops
 from metainfer_gen.kernels.gemm import bucketed_bmm
 from metainfer_gen.llm.attention_metadata import AttentionMetadata
 from metainfer_gen.llm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -106,8 +107,7 @@ class MLAttention(nn.Module):
         return q_nope, q_pe, torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1), q_resid
 
     def _store(self, row: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        kernels.store_kv_cache(row.to(kv_cache.dtype), None, kv_cache, None, meta.slot_mapping,
-                               site=self.site)
+        graph_ops.store_latent(row, kv_cache, meta.slot_mapping, self.site)
 
     def _attend_dense(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache_rows: torch.Tensor,
                       meta: AttentionMetadata) -> torch.Tensor:
@@ -119,8 +119,8 @@ class MLAttention(nn.Module):
         if meta.decode_rows:
             tokens = meta.decode_tokens
             query = self._absorb_query(q_nope[tokens], q_pe[tokens])  # (B, N, r + dr)
-            latent = kernels.paged_mla_decode(query, cache_rows, meta.decode_block_tables, meta.decode_context_lens,
-                                              meta.block_size, self.kv_lora_rank, self.softmax_scale, site=self.site)
+            latent = graph_ops.paged_mla_decode(query, cache_rows, meta.decode_block_tables, meta.decode_context_lens,
+                                                meta.block_size, self.kv_lora_rank, self.softmax_scale, self.site)
             out[tokens] = self._unabsorb(latent)
         offsets = meta.query_offsets
         for row, slots in zip(meta.prefill_rows, meta.prefill_slots):
@@ -130,15 +130,21 @@ class MLAttention(nn.Module):
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK (N, dn, r) and W_UV transposed (N, r, dv), each contiguous in the run dtype: laid out once from
-        ``kv_b_proj.weight`` and kept until that weight changes (a new tensor or an in-place write)."""
+        ``kv_b_proj.weight`` and kept until that weight changes (a new tensor or an in-place write). Under a
+        compile the layout is traced instead (a frozen graph folds it into constants)."""
         weight = self.kv_b_proj.weight
+        if torch.compiler.is_compiling():
+            return self._layout(weight)
         key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
         cached = self.__dict__.get("_absorbed")
         if cached is None or cached[0] != key:
-            w = weight.detach().view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
-            w_uk, w_uv = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
-            cached = self.__dict__["_absorbed"] = (key, w_uk.contiguous(), w_uv.transpose(1, 2).contiguous())
+            cached = self.__dict__["_absorbed"] = (key, *self._layout(weight.detach()))
         return cached[1], cached[2]
+
+    def _layout(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w_uk, w_uv = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
+        return w_uk.contiguous(), w_uv.transpose(1, 2).contiguous()
 
     def _absorb_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """(B, N, dn), (B, N, dr) -> (B, N, r + dr): ``[q_nope @ W_UK, q_pe]`` scores a cache row

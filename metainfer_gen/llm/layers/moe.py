@@ -20,7 +20,9 @@ checkpoints stay as they were. Experts that cannot be stacked (fp8 block-scaled 
 reference loop over their modules, each through the fp8 block GEMM.
 
 While a CUDA graph is being captured (``llm/static_decode.py``), stacked experts run :func:`moe_experts_dense`
-instead: the sorted path reads the per-expert counts on the host, which a graph cannot replay.
+instead: the sorted path reads the per-expert counts on the host, which a graph cannot replay. A compiled CPU decode
+step (``llm/compiled_decode.py``) traces :func:`moe_experts_folded` (every expert, two GEMMs in the graph) where
+E_local <= ``DENSE_IN_GRAPH_MAX_RATIO`` x top-k, and calls the sorted path as an opaque op elsewhere.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metainfer_gen.kernels.moe import moe_experts, moe_experts_loop
+from metainfer_gen.kernels.moe import moe_experts_loop
+from metainfer_gen.llm import graph_ops
 from metainfer_gen.llm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from metainfer_gen.llm.parallel import TensorParallel
 
@@ -95,20 +98,45 @@ def local_experts(num_experts: int, tp: TensorParallel) -> list[int]:
 _SITE = "llm.MoE.experts"
 
 
+def _routing_matrix(weights: torch.Tensor, ids: torch.Tensor, num_local: int, first_expert: int) -> torch.Tensor:
+    """(T, E_local) float32: each token's routing weight at its local experts' columns, zero elsewhere."""
+    local = ids - first_expert
+    held = (local >= 0) & (local < num_local)
+    combine = torch.zeros(ids.shape[0], num_local, dtype=torch.float32, device=ids.device)
+    return combine.scatter_add_(1, local.clamp(0, num_local - 1), torch.where(held, weights.float(), 0))
+
+
 def moe_experts_dense(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
                       w2: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
     """Every local expert on every token, summed through a (T, E_local) routing matrix that is zero off the top-k:
     no host sync and static shapes, so a CUDA graph can hold it. x (T, H), weights/ids (T, k), w13 (E, 2I, H),
     w2 (E, H, I) -> (T, H). Costs E_local / k times the routed FLOPs and reads every local expert once (a decode
     batch with T * k >= E_local reads them all anyway); meant for the small batches of captured decode steps."""
-    num_local, size = w13.shape[0], w2.shape[2]
-    local = ids - first_expert
-    held = (local >= 0) & (local < num_local)
-    combine = torch.zeros(x.shape[0], num_local, dtype=weights.dtype, device=x.device)
-    combine.scatter_add_(1, local.clamp(0, num_local - 1), torch.where(held, weights, 0))  # (T, E)
+    size = w2.shape[2]
+    combine = _routing_matrix(weights, ids, w13.shape[0], first_expert)
     h = torch.matmul(x, w13.transpose(1, 2))  # (E, T, 2I)
     y = torch.bmm(F.silu(h[..., :size]) * h[..., size:], w2.transpose(1, 2))  # (E, T, H)
     return (y.float() * combine.t()[..., None]).sum(0).to(x.dtype)
+
+
+def moe_experts_folded(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                       w2: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+    """:func:`moe_experts_dense` as two GEMMs, for a compiled decode graph (where a frozen compile prepacks both).
+
+    ``h = x @ [W13_0; ...; W13_E].T`` (T, E * 2I), ``a_e = silu(gate_e) * up_e * combine[:, e]``, then one GEMM of
+    ``[a_0 ... a_E]`` (T, E * I) with the experts' down projections side by side (H, E * I): the down projection is
+    linear, so scaling its input by the routing weight equals scaling its output. Same arguments and result. The
+    side-by-side down weight is a copy: a frozen compile folds it into a constant once (eagerly it would be copied
+    on every call)."""
+    num_local, size, hidden = w13.shape[0], w2.shape[2], x.shape[1]
+    combine = _routing_matrix(weights, ids, num_local, first_expert)
+    h = F.linear(x, w13.reshape(num_local * 2 * size, hidden)).view(-1, num_local, 2 * size)
+    act = (F.silu(h[..., :size]) * h[..., size:]).float() * combine[..., None]  # (T, E, I)
+    down = w2.permute(1, 0, 2).reshape(hidden, num_local * size)
+    return F.linear(act.to(x.dtype).reshape(-1, num_local * size), down)
+
+
+DENSE_IN_GRAPH_MAX_RATIO = 4  # a compiled decode step runs every expert when E_local <= this * top_k
 
 
 def _capturing(x: torch.Tensor) -> bool:
@@ -173,7 +201,9 @@ class MoE(nn.Module):
         for e, mlp in enumerate(self.experts.values()):
             for lin, view in ((mlp.gate_proj, w13[e, :size]), (mlp.up_proj, w13[e, size:]), (mlp.down_proj, w2[e])):
                 lin.weight = nn.Parameter(view, requires_grad=False)
-        self._stacked = (w13, w2)
+        self.register_buffer("w13_stack", w13, persistent=False)  # buffers: a frozen compile folds them
+        self.register_buffer("w2_stack", w2, persistent=False)
+        self._stacked = (self.w13_stack, self.w2_stack)
 
     def unpack_experts(self) -> None:
         """Run the per-expert reference loop again (the weights stay views of the stack; ``pack_experts`` undoes
@@ -199,11 +229,14 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # (T, k) float32, (T, k) int64
-        stacked = self._stacked_weights()
-        if stacked is not None and _capturing(x):
+        compiling = torch.compiler.is_compiling()
+        stacked = self._stacked if compiling else self._stacked_weights()
+        if stacked is not None and compiling and len(stacked[1]) <= DENSE_IN_GRAPH_MAX_RATIO * self.gate.top_k:
+            out = moe_experts_folded(x, weights, ids, *stacked, self.first_expert)  # traced: GEMMs in the graph
+        elif stacked is not None and _capturing(x):
             out = moe_experts_dense(x, weights, ids, *stacked, self.first_expert)
         elif stacked is not None:
-            out = moe_experts(x, weights, ids, *stacked, self.first_expert, site=_SITE)
+            out = graph_ops.moe_experts(x, weights, ids, *stacked, self.first_expert, _SITE)
         else:
             out = moe_experts_loop(x, weights, ids, self.first_expert, list(self.experts.values()))
         return self.tp.all_reduce(out + self.shared_experts(x))
