@@ -66,7 +66,7 @@ def measure_ours(path: Path | None, work: Workload, dtype: str, args, log: Path)
         port = free_port()
         try:
             server = ServerProcess.start(OURS, ours_command(path, port, work.max_num_seqs, MAX_MODEL_LEN, dtype),
-                                         thread_env(args.threads), port, log, timeout_s=300)
+                                         thread_env(args.threads), port, log, timeout_s=600)
             serve = ServerLoad(server, args.timeout_s)
         except (RuntimeError, TimeoutError) as exc:
             results[OURS] = failure(log, exc)

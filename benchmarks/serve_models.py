@@ -35,10 +35,12 @@ def build_random_large(out: Path, quick: bool = False, seed: int = 0) -> Path:
     return out
 
 
-def random_large_pipeline(workdir: str | Path, num_prompts: int, prompt_lens: str, output_len: int, dtype):
+def random_large_pipeline(workdir: str | Path, num_prompts: int, prompt_lens: str, output_len: int, dtype,
+                          **engine_options):
     """The warmed-up pipeline over the random checkpoint under ``workdir`` (built on first use) that
-    ``llm_profile.py`` and ``llm_batches.py`` time: batch ``num_prompts``, context for the longest prompt of
-    ``prompt_lens`` ("lo,hi") plus ``output_len``; returns ``(pipe, lo, hi)``."""
+    ``llm_profile.py``, ``llm_batches.py`` and ``llm_decode_step.py`` time: batch ``num_prompts``, context for the
+    longest prompt of ``prompt_lens`` ("lo,hi") plus ``output_len``, other EngineConfig fields from
+    ``engine_options``; returns ``(pipe, lo, hi)``."""
     from metainfer_gen.pipelines.text_generation import TextGenerationPipeline
 
     path = Path(workdir) / "random-large"
@@ -46,7 +48,8 @@ def random_large_pipeline(workdir: str | Path, num_prompts: int, prompt_lens: st
         build_random_large(path)
     lo, hi = (int(v) for v in prompt_lens.split(","))
     pipe = TextGenerationPipeline.from_pretrained(str(path), warmup=True, max_num_seqs=num_prompts,
-                                                  max_model_len=max(1024, hi + output_len), torch_dtype=dtype)
+                                                  max_model_len=max(1024, hi + output_len), torch_dtype=dtype,
+                                                  **engine_options)
     return pipe, lo, hi
 
 

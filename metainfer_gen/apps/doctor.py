@@ -95,6 +95,7 @@ def collect(device: str | None = None, dtype: str | None = None) -> dict:
             "notes": list(caps.notes),
         },
         "llm": {"default_dtype": str(llm_dtype).removeprefix("torch."), "matmul": matmul,
+                "decode_step": _decode_step(device, caps),
                 "fp8_checkpoints": {"stay_fp8": fp8_stay, "reason": fp8_reason}},
         "triton": {"mode": triton.mode.value, "version": triton.version, "reason": triton.reason},
         "versions": {"python": py_platform.python_version(), "metainfer-gen": __version__,
@@ -133,6 +134,8 @@ def render(report: dict, out: TextIO) -> None:
         w(f"  [{mark}] {name:<9} matmuls run {mm['path']}\n")
         if mm["refused"]:
             w(f"               not the fastest: {mm['refused']}\n")
+    step = llm["decode_step"]
+    w(f"  decode steps     {step['path']}" + (f" ({step['reason']})" if step["reason"] else "") + "\n")
     fp8 = llm["fp8_checkpoints"]
     w(f"  fp8 checkpoints  {'stay FP8' if fp8['stay_fp8'] else 'dequantised at load'}: {fp8['reason']} "
       f"(--quantization fp8 keeps FP8)\n")
@@ -162,3 +165,13 @@ def cmd_doctor(args: argparse.Namespace, out: TextIO | None = None) -> int:
         render(report, out)
     refused = any(o["refusals"] for o in report["ops"])
     return 1 if (args.strict and refused) else 0
+
+
+def _decode_step(device: str, caps) -> dict:
+    """How the LLM engine runs decode steps here (``llm/compiled_decode.py``; the model can still refuse)."""
+    if device.startswith("cuda"):
+        return {"path": "eager, or CUDA graphs with static_decode", "reason": None}
+    if caps.cxx_compiler is None:
+        return {"path": "eager", "reason": "torch.compile on the CPU needs a C++ compiler (install g++)"}
+    return {"path": "compiled, one graph per batch size (--enforce-eager: eager)",
+            "reason": "DeepSeek-V3.2's sparse attention and tensor parallelism run eager"}

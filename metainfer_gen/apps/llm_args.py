@@ -9,7 +9,7 @@ from metainfer_gen.apps.arg_types import positive_int
 
 
 def add_llm_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """``--quantization`` and ``--kv-cache-dtype`` (read back with :func:`engine_options`)."""
+    """``--quantization``, ``--kv-cache-dtype`` and ``--enforce-eager`` (read back with :func:`engine_options`)."""
     p.add_argument("--quantization", choices=("fp8",), default=None,
                    help="fp8: linear weights in float8_e4m3fn with 128x128 block scales on any device (an FP8 "
                         "checkpoint keeps its blocks; a bf16 one is quantised on load); default: the checkpoint's "
@@ -18,6 +18,9 @@ def add_llm_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="fp8: the latent KV cache in float8_e4m3fn, half the bytes of bf16 (default auto: the run "
                         "dtype)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps eagerly: no compiled decode graph on the CPU (built per batch size at "
+                        "start-up, seconds each), no CUDA graphs on a GPU (vLLM's flag)")
 
 
 def add_tp_argument(p: argparse.ArgumentParser) -> None:
@@ -34,4 +37,6 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["quantization"] = args.quantization
     if args.kv_cache_dtype != "auto":
         options["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.enforce_eager:
+        options["enforce_eager"] = True
     return options

@@ -119,6 +119,18 @@ class CompiledDecode:
         """Batch sizes compiled so far."""
         return sorted(self._sizes)
 
+    def ready(self, size: int) -> bool:
+        """Whether a step of ``size`` rows runs compiled: its graph is built, or may be built now (not inside
+        :func:`~metainfer_gen.kernels.common.no_new_compiles`: after the warm-up a size it did not build runs eager,
+        audited, instead of stalling a request for the compile)."""
+        from metainfer_gen.kernels.common import compiles_frozen
+
+        if size in self._sizes or not compiles_frozen():
+            return True
+        record("decode_step", _SITE, "eager", (Refusal("compiled", f"batch size {size} was not compiled at warm-up "
+                                                                   f"(no_new_compiles)"),))
+        return False
+
     def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
         size = tensors[0].shape[0]
         if size in self._sizes:

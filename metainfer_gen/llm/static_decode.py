@@ -197,7 +197,7 @@ class StaticDecode:
 
     def _forward(self, shape: tuple[int, int]) -> None:
         buffers, size = self.buffers, shape[0]
-        if self.compiled is not None:  # the whole table: the attention op trims it, so W is no graph dimension
+        if self.compiled is not None and self.compiled.ready(size):  # the whole table: W is no graph dimension
             buffers.hidden[:size] = self.compiled(buffers.input_ids[:size], buffers.positions[:size],
                                                   buffers.slot_mapping[:size], buffers.context_lens[:size],
                                                   buffers.block_tables[:size])

@@ -110,7 +110,7 @@ def test_the_llm_section_names_the_matmul_path_and_the_fp32_fast_path_not_taken(
 
     monkeypatch.delenv(platform.DTYPE_ENV, raising=False)
     amx = platform.Capabilities(device_kind=platform.DeviceKind.CPU, bf16=True, cpu_matrix="amx_bf16",
-                                cpu_capability="AVX512")
+                                cpu_capability="AVX512", cxx_compiler="/usr/bin/g++")
     with platform.override_capabilities(amx):
         report = doctor.collect(dtype="bfloat16")
         out = io.StringIO()
@@ -120,6 +120,7 @@ def test_the_llm_section_names_the_matmul_path_and_the_fp32_fast_path_not_taken(
     assert "[fast    ] bfloat16  matmuls run oneDNN AMX-BF16" in text
     assert "[fallback] float32   matmuls run AVX-512 fp32" in text and "3-8x faster" in text
     assert "fp8 checkpoints  dequantised at load" in text
+    assert "decode steps     compiled, one graph per batch size" in text
     assert next(o for o in report["ops"] if o["op"] == "linear")["path"] == "bucketed"
     plain = platform.Capabilities(device_kind=platform.DeviceKind.CPU, cpu_capability="AVX2")
     with platform.override_capabilities(plain):
@@ -127,3 +128,4 @@ def test_the_llm_section_names_the_matmul_path_and_the_fp32_fast_path_not_taken(
     assert report["llm"]["default_dtype"] == "float32"
     assert report["llm"]["matmul"]["float32"] == {"path": "AVX2 fp32", "refused": None}
     assert "emulated" in report["llm"]["matmul"]["bfloat16"]["path"]
+    assert report["llm"]["decode_step"]["path"] == "eager" and "g++" in report["llm"]["decode_step"]["reason"]

@@ -1,4 +1,4 @@
-"""``--quantization`` and ``--kv-cache-dtype`` on ``generate`` and ``serve``: parsed once, reach the engine."""
+"""``--quantization``, ``--kv-cache-dtype`` and ``--enforce-eager`` on ``generate`` and ``serve``: parsed once, reach the engine."""
 
 from __future__ import annotations
 
@@ -37,5 +37,6 @@ def test_serve_parses_the_same_options_and_refuses_others():
     args = parser.parse_args(["serve", "--quantization", "fp8", "--kv-cache-dtype", "fp8"])
     assert engine_options(args) == {"quantization": "fp8", "kv_cache_dtype": "fp8"}
     assert engine_options(parser.parse_args(["serve"])) == {}
+    assert engine_options(parser.parse_args(["serve", "--enforce-eager"])) == {"enforce_eager": True}
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--quantization", "int4"])

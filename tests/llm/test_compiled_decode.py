@@ -98,3 +98,20 @@ def test_compiled_steps_need_a_sink_slot(checkpoint):
     with pytest.raises(ValueError, match="sink_slot"):
         StaticDecode(engine.model, engine.runner.kv_caches, max_num_seqs=4, max_model_len=64, block_size=4,
                      use_cuda_graphs=False, compiled=True)
+
+
+def test_after_warmup_an_unbuilt_size_runs_eager(checkpoint):
+    """Inside no_new_compiles (the engine after its warm-up) a size with no graph runs the eager static step, audited,
+    with the tokens of an eager engine."""
+    from metainfer_gen.kernels.common import no_new_compiles
+
+    path, vocab = checkpoint
+    engine, eager = make(path), make(path, enforce_eager=True)
+    engine.compile_guard = no_new_compiles
+    prompts = random_prompts(2, vocab, LENGTHS, seed=12)
+    with kernels.audit() as report:
+        tokens = [o.token_ids for o in engine.generate(prompts, greedy(4))]
+    assert tokens == [o.token_ids for o in eager.generate(prompts, greedy(4))]
+    assert engine.runner.static.compiled.sizes == [] and engine.runner.static.num_steps > 0
+    reasons = [str(r) for e in report.entries if e.op == "decode_step" for r in e.refusals]
+    assert any("was not compiled at warm-up" in r for r in reasons)
