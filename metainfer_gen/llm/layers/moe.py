@@ -181,10 +181,14 @@ class MoE(nn.Module):
                for trio in layers for lin in trio):
             self._stacked = None
             return False
-        w13 = torch.stack([torch.cat([g.weight, u.weight]) for g, u, _ in layers])
-        w2 = torch.stack([d.weight for _, _, d in layers])
-        self._view_stack(w13, w2)
+        self._view_stack(*self._stack_parameters())
         return True
+
+    def _stack_parameters(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """New ``w13`` (E_local, 2I, H) and ``w2`` (E_local, H, I) stacked from the experts' parameters (under a
+        frozen compile: constants folded once, at compile time)."""
+        layers = [(m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight) for m in self.experts.values()]
+        return torch.stack([torch.cat([g, u]) for g, u, _ in layers]), torch.stack([d for _, _, d in layers])
 
     def stack_empty_experts(self, dtype: torch.dtype, device: torch.device) -> None:
         """Give the local experts uninitialised stacked storage, ``w13`` (E_local, 2I, H) and ``w2``
@@ -201,9 +205,7 @@ class MoE(nn.Module):
         for e, mlp in enumerate(self.experts.values()):
             for lin, view in ((mlp.gate_proj, w13[e, :size]), (mlp.up_proj, w13[e, size:]), (mlp.down_proj, w2[e])):
                 lin.weight = nn.Parameter(view, requires_grad=False)
-        self.register_buffer("w13_stack", w13, persistent=False)  # buffers: a frozen compile folds them
-        self.register_buffer("w2_stack", w2, persistent=False)
-        self._stacked = (self.w13_stack, self.w2_stack)
+        self._stacked = (w13, w2)
 
     def unpack_experts(self) -> None:
         """Run the per-expert reference loop again (the weights stay views of the stack; ``pack_experts`` undoes
@@ -232,7 +234,8 @@ class MoE(nn.Module):
         compiling = torch.compiler.is_compiling()
         stacked = self._stacked if compiling else self._stacked_weights()
         if stacked is not None and compiling and len(stacked[1]) <= DENSE_IN_GRAPH_MAX_RATIO * self.gate.top_k:
-            out = moe_experts_folded(x, weights, ids, *stacked, self.first_expert)  # traced: GEMMs in the graph
+            # traced from the parameters, which a frozen graph holds as constants (the stack is a plain attribute)
+            out = moe_experts_folded(x, weights, ids, *self._stack_parameters(), self.first_expert)
         elif stacked is not None and _capturing(x):
             out = moe_experts_dense(x, weights, ids, *stacked, self.first_expert)
         elif stacked is not None:
