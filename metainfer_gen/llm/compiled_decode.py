@@ -12,8 +12,9 @@ one batch size the same shapes, so the whole model forward can be compiled once 
 - the cache write, the paged attention and the routed experts stay the eager kernels, called from the graph as
   opaque custom ops (:mod:`metainfer_gen.llm.graph_ops`), so no host read or data-dependent shape enters the graph.
 
-The graph for a size is built on its first step (the engine's warm-up runs every ladder size, so no request waits for
-a compile). The block table is passed at its full width; the attention op trims it to the longest context, so the
+The graph for a size is built by the engine's warm-up (:meth:`LLMEngine.warmup`, which the server, the demo and
+``warmup=True`` run), for every ladder size; an engine that was not warmed up runs its decode steps eager, so no
+request ever waits for a compile. The block table is passed at its full width; the attention op trims it to the longest context, so the
 table width is not a graph dimension. Freezing keeps a packed copy of every dense weight beside the original (the
 prefill path still reads the originals): about 1x the attention, shared-expert and dense-MLP weights more memory
 (the routed experts are not copied). A weight changed after the compile is not seen by the graph: build a new
@@ -24,6 +25,7 @@ Where it applies: :func:`compiled_decode_refusal` (audit op ``decode_step``, sit
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 from typing import Callable
@@ -113,6 +115,7 @@ class CompiledDecode:
         self._graph = torch.compile(_own_code(forward), dynamic=False,
                                     options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self._sizes: set[int] = set()
+        self._building = False
 
     @property
     def sizes(self) -> list[int]:
@@ -120,16 +123,24 @@ class CompiledDecode:
         return sorted(self._sizes)
 
     def ready(self, size: int) -> bool:
-        """Whether a step of ``size`` rows runs compiled: its graph is built, or may be built now (not inside
-        :func:`~metainfer_gen.kernels.common.no_new_compiles`: after the warm-up a size it did not build runs eager,
-        audited, instead of stalling a request for the compile)."""
-        from metainfer_gen.kernels.common import compiles_frozen
-
-        if size in self._sizes or not compiles_frozen():
+        """Whether a step of ``size`` rows runs compiled: its graph is built, or is being built (inside
+        :meth:`building`, which the engine's warm-up opens). Otherwise the step runs the eager path, audited: a
+        graph is never built under a request, which would stall it for the compile."""
+        if size in self._sizes or self._building:
             return True
-        record("decode_step", _SITE, "eager", (Refusal("compiled", f"batch size {size} was not compiled at warm-up "
-                                                                   f"(no_new_compiles)"),))
+        record("decode_step", _SITE, "eager", (Refusal("compiled", f"batch size {size} has no compiled graph: "
+                                                                   f"graphs are built by LLMEngine.warmup() (the "
+                                                                   f"server and the demo warm up)"),))
         return False
+
+    @contextlib.contextmanager
+    def building(self):
+        """Within this block steps of a size without a graph compile one (the warm-up runs every size in it)."""
+        self._building = True
+        try:
+            yield
+        finally:
+            self._building = False
 
     def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
         size = tensors[0].shape[0]

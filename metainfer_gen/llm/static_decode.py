@@ -173,10 +173,12 @@ class StaticDecode:
         return next(w for w in self.widths if w >= num_blocks)
 
     def can_run(self, out) -> bool:
-        """True for a step of one new token per sequence, each sampling, within the ladder and the table width."""
+        """True for a step of one new token per sequence, each sampling, within the ladder and the table width (and,
+        compiled, with a graph for its size: see :meth:`CompiledDecode.ready`)."""
         items = out.scheduled
         return (0 < len(items) <= self.ladder[-1]
-                and all(i.num_tokens == 1 and i.sample and len(i.seq.block_table) <= self.max_blocks for i in items))
+                and all(i.num_tokens == 1 and i.sample and len(i.seq.block_table) <= self.max_blocks for i in items)
+                and (self.compiled is None or self.compiled.ready(self.padded_size(len(items)))))
 
     def run(self, out) -> torch.Tensor:
         """Forward a decode-only step (``can_run(out)``); returns (B, hidden), row i for ``out.scheduled[i]``."""
@@ -197,7 +199,7 @@ class StaticDecode:
 
     def _forward(self, shape: tuple[int, int]) -> None:
         buffers, size = self.buffers, shape[0]
-        if self.compiled is not None and self.compiled.ready(size):  # the whole table: W is no graph dimension
+        if self.compiled is not None:  # the whole table: the attention op trims it, so W is no graph dimension
             buffers.hidden[:size] = self.compiled(buffers.input_ids[:size], buffers.positions[:size],
                                                   buffers.slot_mapping[:size], buffers.context_lens[:size],
                                                   buffers.block_tables[:size])

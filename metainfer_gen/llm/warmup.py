@@ -11,7 +11,8 @@ query RoPE on (2048, 8, 64), both at a full 2,048-token step (``max_num_batched_
   large size that recurs (every chunked-prefill step of a busy engine);
 - every row bucket of every dense GEMM (:func:`metainfer_gen.kernels.gemm.warm_linear_buckets`: oneDNN builds a
   bf16 kernel per shape, about 1 ms each, and the buckets bound the shapes);
-- decode steps over a ladder of batch sizes up to ``max_num_seqs`` (1, 2, 4, ..., ``max_num_seqs``);
+- decode steps over a ladder of batch sizes up to ``max_num_seqs`` (1, 2, 4, ..., ``max_num_seqs``), which also
+  builds the compiled decode step's graph for each size on a CPU (``llm/compiled_decode.py``);
 
 on scratch KV blocks (free and holding no cached prefix), outside the scheduler: no request, block, prefix-cache
 entry or counter changes. Afterwards :meth:`LLMEngine.step` runs inside
@@ -23,6 +24,7 @@ parallelism every rank runs the same plan, so the collectives match.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -67,6 +69,12 @@ def warm_up(engine) -> WarmupReport:
     """
     if engine.has_unfinished_requests:
         raise RuntimeError("warm up before adding requests: the engine has unfinished requests")
+    compiled = getattr(engine.runner.static, "compiled", None)  # the compiled decode step builds its graphs here
+    with compiled.building() if compiled is not None else contextlib.nullcontext():
+        return _warm_up(engine)
+
+
+def _warm_up(engine) -> WarmupReport:
     from torch._dynamo.utils import counters
 
     config, block_size = engine.config, engine.config.block_size
