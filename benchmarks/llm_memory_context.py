@@ -70,7 +70,7 @@ def run_case(kind: str, num: int, context: int) -> dict:
             p.normal_(0, 0.05)
         seqs = 1 if kind == "prefill" else num
         blocks_per_seq = -(-context // BLOCK)
-        caches = [torch.randn(seqs * blocks_per_seq, BLOCK, 1, model.cache_row_size) for _ in model.model.layers]
+        caches = [torch.randn(seqs * blocks_per_seq, BLOCK, 1, row) for row in model.cache_row_sizes]
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(seqs)]
         starts, lens = ([context - num], [num]) if kind == "prefill" else ([context - 1] * num, [1] * num)
         ids = torch.randint(0, config.vocab_size, (sum(lens),))

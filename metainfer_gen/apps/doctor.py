@@ -63,6 +63,7 @@ def collect(device: str | None = None, dtype: str | None = None) -> dict:
 
     fp8_stay, fp8_reason = fp8_weights_stay(device, llm_dtype)
     from metainfer_gen.kernels.gemm import matmul_path
+    from metainfer_gen.llm.models.families import FAMILIES
 
     matmul = {}
     for name in ("bfloat16", "float32"):
@@ -96,7 +97,9 @@ def collect(device: str | None = None, dtype: str | None = None) -> dict:
         },
         "llm": {"default_dtype": str(llm_dtype).removeprefix("torch."), "matmul": matmul,
                 "decode_step": _decode_step(device, caps),
-                "fp8_checkpoints": {"stay_fp8": fp8_stay, "reason": fp8_reason}},
+                "fp8_checkpoints": {"stay_fp8": fp8_stay, "reason": fp8_reason},
+                "models": [{"model_type": f.model_type, "attention": f.attention, "missing": f.missing}
+                           for f in FAMILIES.values()]},
         "triton": {"mode": triton.mode.value, "version": triton.version, "reason": triton.reason},
         "versions": {"python": py_platform.python_version(), "metainfer-gen": __version__,
                      **{p: _version(p) for p in _PACKAGES}, "torch cuda": caps.torch_cuda or "none",
@@ -139,6 +142,11 @@ def render(report: dict, out: TextIO) -> None:
     fp8 = llm["fp8_checkpoints"]
     w(f"  fp8 checkpoints  {'stay FP8' if fp8['stay_fp8'] else 'dequantised at load'}: {fp8['reason']} "
       f"(--quantization fp8 keeps FP8)\n")
+    for fam in llm["models"]:
+        if fam["missing"] is None:
+            w(f"  model {fam['model_type']:<13} attention: {fam['attention']}\n")
+        else:
+            w(f"  model {fam['model_type']:<13} not supported yet: lacks {fam['missing']}\n")
     w(f"\ntriton             {t['mode']}" + (f" ({t['reason']})" if t["reason"] else "") + "\n")
     w("\nversions\n")
     for name, version in v.items():
@@ -174,4 +182,4 @@ def _decode_step(device: str, caps) -> dict:
     if caps.cxx_compiler is None:
         return {"path": "eager", "reason": "torch.compile on the CPU needs a C++ compiler (install g++)"}
     return {"path": "compiled, one graph per batch size (--enforce-eager: eager)",
-            "reason": "DeepSeek-V3.2's sparse attention and tensor parallelism run eager"}
+            "reason": "DSA sparse attention (DeepSeek-V3.2, GLM-5) and tensor parallelism run eager"}

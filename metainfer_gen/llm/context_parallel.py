@@ -274,11 +274,16 @@ def cp_prefill(model, prompt: list[int], cp: ContextParallel, tile: int = 512) -
         prompt: token ids, at least ``2 * cp.size`` of them.
         tile: queries per score tile (bounds the float32 scores at heads x tile x block).
     Raises:
-        ValueError: a prompt shorter than ``2 * cp.size`` tokens.
+        ValueError: a prompt shorter than ``2 * cp.size`` tokens, or a model with GLM-5 "shared" indexer layers.
     """
     if len(prompt) < 2 * cp.size:
         raise ValueError(f"a prompt of {len(prompt)} tokens cannot be split over {cp.size} ranks; need at least "
                          f"{2 * cp.size}")
+    shared = [i for i, layer in enumerate(model.model.layers)
+              if getattr(layer.self_attn, "sparse", False) and layer.self_attn.indexer is None]
+    if shared:
+        raise ValueError(f"context-parallel prefill does not carry a top-k between layers yet: layers {shared} "
+                         f"share the previous layer's top-k (indexer_types 'shared'); prefill them in the engine")
     pos = cp.shard(len(prompt))
     pad_to = max(len(ContextParallel(r, cp.size).shard(len(prompt))) for r in range(cp.size))
     x = model.model.embed_tokens(torch.tensor(prompt)[pos])

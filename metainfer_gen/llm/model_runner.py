@@ -16,9 +16,9 @@ from metainfer_gen.llm.scheduler import SchedulerOutput
 
 
 def kv_cache_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes across all layers (MLA latent rows: kv_lora_rank + qk_rope_head_dim values)."""
+    """Bytes one KV block takes across all layers (each layer's row: MLA latent, + indexer key on DSA layers)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return len(model.model.layers) * block_size * model.cache_row_size * element
+    return sum(model.cache_row_sizes) * block_size * element
 
 
 class ModelRunner:
@@ -40,10 +40,9 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
-        row = model.cache_row_size
         sink = 1 if compiled_decode else 0  # a block past the pool: the padding rows of compiled steps write there
         self.kv_caches = [torch.zeros(num_blocks + sink, block_size, 1, row, dtype=dtype, device=device)
-                          for _ in model.model.layers]
+                          for row in model.cache_row_sizes]
         self._default_generator = torch.Generator().manual_seed(seed)
         self._generators: dict[int, torch.Generator] = {}
         self.static = None

@@ -7,9 +7,8 @@ import torch
 
 from metainfer_gen import kernels
 from metainfer_gen.llm import EngineConfig, LLMEngine, SamplingParams
-from metainfer_gen.llm.attention_metadata import AttentionMetadata
 from tests.llm.checkpoints import hf_greedy, random_prompts
-from tests.llm.dsa_checkpoints import TOPK, make_hf_v32_model
+from tests.llm.dsa_checkpoints import TOPK, make_hf_v32_model, prefill_logits
 
 GREEDY = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
 LENGTHS = (1, TOPK - 1, TOPK, TOPK + 1, 3 * TOPK)
@@ -22,12 +21,6 @@ def v32(tmp_path_factory):
     model.save_pretrained(path)
     prompts = random_prompts(16, model.config.vocab_size, LENGTHS)
     return model, path, prompts, [hf_greedy(model, p, 32) for p in prompts]
-
-
-def _prefill_logits(engine, prompt):
-    meta = AttentionMetadata.build([0], [len(prompt)], [list(range(len(prompt) // 4 + 1))], 4)
-    with torch.inference_mode():
-        return engine.model.compute_logits(engine.model(torch.tensor(prompt), meta, engine.runner.kv_caches))
 
 
 def _set_sparse(engine, sparse: bool) -> None:
@@ -56,11 +49,11 @@ def test_prefill_logits_match_and_sparse_equals_dense_up_to_topk(v32):
     engine = LLMEngine.from_pretrained(path, EngineConfig(block_size=4))
     short, long = random_prompts(2, model.config.vocab_size, (TOPK, 3 * TOPK), seed=5)
     with torch.inference_mode():
-        torch.testing.assert_close(_prefill_logits(engine, long), model(torch.tensor([long])).logits[0], atol=1e-4,
+        torch.testing.assert_close(prefill_logits(engine, long), model(torch.tensor([long])).logits[0], atol=1e-4,
                                    rtol=0)
-    sparse_short, sparse_long = _prefill_logits(engine, short), _prefill_logits(engine, long)
+    sparse_short, sparse_long = prefill_logits(engine, short), prefill_logits(engine, long)
     _set_sparse(engine, False)
-    dense_short, dense_long = _prefill_logits(engine, short), _prefill_logits(engine, long)
+    dense_short, dense_long = prefill_logits(engine, short), prefill_logits(engine, long)
     torch.testing.assert_close(sparse_short, dense_short, atol=1e-5, rtol=0)  # top-k >= length: all selected
     assert (sparse_long[TOPK:] - dense_long[TOPK:]).abs().max() > 1e-3  # past top-k the indexer matters
 

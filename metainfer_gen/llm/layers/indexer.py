@@ -3,7 +3,8 @@
 Parameters as transformers' ``DeepseekV32Indexer`` names them: ``wq_b`` (q_lora_rank -> H * D, reading MLA's
 normalised q LoRA residual), ``wk`` (hidden -> D) followed by the LayerNorm ``k_norm``, and ``weights_proj``
 (hidden -> H, kept in float32). The first ``qk_rope_head_dim`` values of each query and key are rotated with
-half-split (non-interleaved) rope, unlike MLA's interleaved rope. The reference implementation's Hadamard
+half-split (non-interleaved) rope in DeepSeek-V3.2, unlike MLA's interleaved rope, and with interleaved rope in
+GLM-5 (transformers ``GlmMoeDsaIndexer``; the family table says which, ``models/families.py``). The reference implementation's Hadamard
 rotation (which leaves the dot products unchanged) and its fp8 scoring (a speed for precision trade, measured in
 ``benchmarks/sparse_mla.py``) are not applied, as in transformers. Scoring and top-k: :func:`metainfer_gen.kernels.indexer_topk`, which reads the keys in the
 cache's dtype (bf16 in a bf16 run, e4m3 in an fp8 KV cache) and accumulates the scores in float32.
@@ -23,14 +24,16 @@ from metainfer_gen.llm.layers.linear import ReplicatedLinear
 
 
 class Indexer(nn.Module):
-    """Indexer of one layer; ``config`` is a transformers ``DeepseekV32Config``.
+    """Indexer of one layer; ``config`` is a transformers ``DeepseekV32Config`` or ``GlmMoeDsaConfig``.
 
     Shapes: T tokens, H = ``index_n_heads``, D = ``index_head_dim``, dr = ``qk_rope_head_dim`` (< D).
+    ``rope_interleaved``: rotate the rope dims in interleaved pairs (GLM-5) instead of half-split (V3.2).
     """
 
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, rope_interleaved: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
+        self.rope_interleaved = rope_interleaved
         self.num_heads = config.index_n_heads
         self.head_dim = config.index_head_dim
         self.rope_dim = config.qk_rope_head_dim
@@ -44,7 +47,8 @@ class Indexer(nn.Module):
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
-        rot = kernels.rope(rot.contiguous(), cos, sin, interleaved=False, site=f"layers.{self.layer_idx}.indexer")
+        rot = kernels.rope(rot.contiguous(), cos, sin, interleaved=self.rope_interleaved,
+                           site=f"layers.{self.layer_idx}.indexer")
         return torch.cat([rot, rest], dim=-1)
 
     def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,10 @@
-"""DeepSeek-V3 and V3.2 for the engine: flat token batches, paged MLA latent cache, MoE after the first dense layers.
+"""DeepSeek-V3, V3.2 and GLM-5 for the engine: flat token batches, paged MLA latent cache, MoE after dense layers.
 
 DeepSeek-V3.2 (``model_type`` ``deepseek_v32``) is the same network with sparse attention (an indexer per layer,
-:class:`~metainfer_gen.llm.layers.sparse_mla.SparseMLAttention`); the attention class is looked up by model type.
+:class:`~metainfer_gen.llm.layers.sparse_mla.SparseMLAttention`); GLM-5 (``glm_moe_dsa``) is V3.2 with an
+interleaved-rope indexer and "shared" layers that reuse the previous layer's top-k (``indexer_types``), its head
+widths and per-layer MLP types read from the config. The family table (:mod:`~metainfer_gen.llm.models.families`)
+says which attention each model type runs.
 
 Architecture and parameter names follow Hugging Face transformers ``modeling_deepseek_v3.py`` (the correctness
 reference), so a checkpoint's safetensors load by name; the differences are the engine's: inputs are the
@@ -15,15 +18,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from metainfer_gen.kernels.audit_log import record
 from metainfer_gen.llm.attention_metadata import AttentionMetadata
 from metainfer_gen.llm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from metainfer_gen.llm.layers.mla import MLAttention
 from metainfer_gen.llm.layers.moe import MLP, MoE
 from metainfer_gen.llm.layers.norm import RMSNorm
-from metainfer_gen.llm.layers.sparse_mla import SparseMLAttention
+from metainfer_gen.llm.layers.sparse_mla import SparseMLAttention, TopKCarry
+from metainfer_gen.llm.models.families import AUDIT_OP, AUDIT_SITE, attention_path, family_of
 from metainfer_gen.llm.parallel import TensorParallel
-
-ATTENTION_BY_MODEL_TYPE = {"deepseek_v3": MLAttention, "deepseek_v32": SparseMLAttention}
 
 
 def softmax_scale(config) -> float:
@@ -56,16 +59,21 @@ class RotaryTables(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, scale: float, tp: TensorParallel):
         super().__init__()
-        self.self_attn = ATTENTION_BY_MODEL_TYPE[config.model_type](config, layer_idx, scale, tp)
-        types = getattr(config, "mlp_layer_types", None)  # V3.2 names each layer's MLP; V3 counts dense ones
+        family = family_of(config.model_type)
+        self.sparse = family.sparse
+        self.self_attn = SparseMLAttention(config, layer_idx, scale, tp, family.indexer_rope_interleaved) \
+            if family.sparse else MLAttention(config, layer_idx, scale, tp)
+        types = getattr(config, "mlp_layer_types", None)  # V3.2 / GLM-5 name each layer's MLP; V3 counts dense ones
         dense = (types[layer_idx] == "dense" if types else layer_idx < config.first_k_dense_replace) \
             or not config.n_routed_experts
         self.mlp = MLP(config.hidden_size, config.intermediate_size, tp) if dense else MoE(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
+    def forward(self, x, cos, sin, meta, kv_cache, carry: TopKCarry | None = None):
+        h = self.input_layernorm(x)
+        x = x + (self.self_attn(h, cos, sin, meta, kv_cache, carry) if self.sparse
+                 else self.self_attn(h, cos, sin, meta, kv_cache))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -79,27 +87,31 @@ class DeepseekV3Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, scale, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryTables(config, max_positions)
+        self.attention_path = attention_path(config)
 
     def forward(self, input_ids, meta, kv_caches):
+        record(AUDIT_OP, AUDIT_SITE, self.attention_path)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(meta.positions)
+        carry = TopKCarry()  # a full DSA layer's selection, for the shared layers after it (GLM-5)
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, meta, cache)
+            x = layer(x, cos, sin, meta, cache, carry)
         return self.norm(x)
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    """The engine's DeepSeek-V3.
+    """The engine's DeepSeek-V3 / V3.2 / GLM-5.
 
     Args:
-        config: a transformers ``DeepseekV3Config`` or ``DeepseekV32Config`` (``model_type`` ``deepseek_v3`` or
-            ``deepseek_v32``).
+        config: a transformers ``DeepseekV3Config``, ``DeepseekV32Config`` or ``GlmMoeDsaConfig`` (``model_type``
+            ``deepseek_v3``, ``deepseek_v32`` or ``glm_moe_dsa``).
         max_positions: size of the rotary tables (the engine's ``max_model_len``).
         tp: tensor-parallel placement (None: one process). Every rank runs the same forward on the same tokens;
             each holds its heads, intermediate columns, experts and vocabulary rows, and the logits come out whole
             on every rank.
     Raises:
-        ValueError: a dimension the tensor-parallel size does not divide (heads, intermediate sizes).
+        ValueError: a dimension the tensor-parallel size does not divide (heads, intermediate sizes), or a model
+            type the engine cannot run (:func:`~metainfer_gen.llm.models.families.family_of`).
     """
 
     def __init__(self, config, max_positions: int, tp: TensorParallel | None = None):
@@ -113,14 +125,15 @@ class DeepseekV3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
-    def cache_row_size(self) -> int:
-        """Cache values per token per layer: kv_lora_rank + qk_rope_head_dim (+ index_head_dim for V3.2)."""
-        return self.model.layers[0].self_attn.cache_row_size
+    def cache_row_sizes(self) -> list[int]:
+        """Cache values per token of each layer: kv_lora_rank + qk_rope_head_dim, + index_head_dim on a layer with
+        its own DSA indexer (every V3.2 layer; GLM-5's "full" layers)."""
+        return [layer.self_attn.cache_row_size for layer in self.model.layers]
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """input_ids (T,) int64 -> hidden states (T, hidden); writes the new tokens into ``kv_caches``
-        (one (num_blocks, block_size, 1, row) tensor per layer)."""
+        (one (num_blocks, block_size, 1, cache_row_sizes[i]) tensor per layer)."""
         return self.model(input_ids, meta, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
