@@ -24,8 +24,8 @@ def test_a_deepseek_v4_checkpoint_is_refused_with_what_is_missing(tmp_path):
     config = AutoConfig.for_model("deepseek_v4", num_hidden_layers=2, hidden_size=64, vocab_size=128)
     config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="config.json: model_type 'deepseek_v4' is recognised but the engine cannot "
-                                         "run it yet: it lacks compressed sparse attention") as info:
+                                         "run it yet: it lacks paged caches for its attention state") as info:
         LLMEngine.from_pretrained(tmp_path)
-    for feature in ("heavily compressed attention", "hyper-connections", "hash-routed experts", "o_lora_rank",
-                    "DeepseekV4CSACache"):
+    for feature in ("sliding window", "4x-compressed CSA entries", "128x-compressed HCA entries", "batched steps",
+                    "tensor parallelism", "FP8", "llm/models/deepseek_v4.py"):
         assert feature in str(info.value)

@@ -41,11 +41,12 @@ class ModelFamily:
 
 
 _V4_MISSING = (
-    "compressed sparse attention (4x-compressed KV with its indexer and top-k), heavily compressed attention "
-    "(128x), the 128-token sliding window, partial rotary with compress_rope_theta, the grouped low-rank output "
-    "projection (o_lora_rank, o_groups), hyper-connections (hc_mult streams, Sinkhorn mixing, HyperHead), "
-    "hash-routed experts (mlp_layer_types hash_moe), swiglu_limit, and paged DeepseekV4CSACache / "
-    "DeepseekV4HCACache caches")
+    "paged caches for its attention state (the 128-token sliding window, the 4x-compressed CSA entries with their "
+    "indexer keys, the 128x-compressed HCA entries and the compressor buffers between chunks, which transformers "
+    "keeps in DeepseekV4CSACache / DeepseekV4HCACache), batched steps, tensor parallelism, FP8 weights and the "
+    "streamed loader for its layout; its layers (compressed sparse and heavily compressed attention, partial rotary, "
+    "the grouped output projection o_lora_rank / o_groups, hyper-connections, hash-routed experts, swiglu_limit) "
+    "run only in the one-sequence reference path metainfer_gen/llm/models/deepseek_v4.py")
 
 FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     ModelFamily("deepseek_v3", "MLA over the paged latent cache (absorbed decode, cheaper-form prefill)"),

@@ -1,0 +1,172 @@
+"""DeepSeek-V4 attention, non-paged reference path: one sequence at a time, its state carried between calls.
+
+Every layer attends over one 512-wide shared K=V head: the last ``sliding_window`` tokens (a causal window), plus,
+on compressed layers, the compressor's entries that are complete before the query (entry ``e`` covers tokens
+``[e r, (e + 1) r)``). ``compressed_sparse_attention`` (CSA, r = 4) keeps only the ``index_topk`` entries its
+lightning indexer scores highest (the indexer compresses its own keys at ``index_head_dim``);
+``heavily_compressed_attention`` (HCA, r = 128) sees all of them; ``sliding_attention`` none. Queries go through a
+q LoRA and an unweighted per-head RMSNorm; rope is partial (the trailing ``rope_dim`` values, interleaved pairs;
+"main" tables on sliding layers, "compress" on compressed ones) and is undone on the output (conjugate rotation at
+the query's position) before the grouped low-rank output projection (``o_groups`` blocks to ``o_lora_rank`` each,
+then ``o_b_proj``). A learned per-head sink logit joins each softmax.
+
+Not yet here: paging (the window and the entries live in per-sequence tensors, :class:`AttentionState`), batching
+several sequences, tensor parallelism, FP8. Source: DeepSeek-V4 paper section 2.3; transformers 5.24
+``DeepseekV4Attention``, ``DeepseekV4Indexer``, ``eager_attention_forward`` (the correctness reference).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from metainfer_gen import kernels
+from metainfer_gen.llm.layers.hyper_connection import unweighted_rms_norm
+from metainfer_gen.llm.layers.kv_compressor import CompressorState, KVCompressor
+from metainfer_gen.llm.layers.linear import ReplicatedLinear
+from metainfer_gen.llm.layers.norm import RMSNorm
+
+_COMPRESSED = ("compressed_sparse_attention", "heavily_compressed_attention")
+
+
+def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved rope on the trailing ``2 * cos.shape[-1]`` values of x (T, H, D), in float32, result in
+    ``x.dtype``; cos/sin (T, rope_dim / 2)."""
+    rope_dim = 2 * cos.shape[-1]
+    nope, rope = x.split([x.shape[-1] - rope_dim, rope_dim], dim=-1)
+    rope = kernels.rope(rope.float().contiguous(), cos, sin, interleaved=True, site="llm.v4.attention")
+    return torch.cat([nope, rope.to(x.dtype)], dim=-1)
+
+
+class AttentionState:
+    """One sequence's state in one layer: the last ``sliding_window - 1`` keys (K = V), and on compressed layers
+    the compressor states and every entry emitted so far (attention entries (W, D), indexer keys (W, D_i))."""
+
+    __slots__ = ("window", "compressor", "entries", "indexer", "index_keys")
+
+    def __init__(self) -> None:
+        self.window = self.entries = self.index_keys = None
+        self.compressor, self.indexer = CompressorState(), CompressorState()
+
+
+class IndexerScorer(nn.Module):
+    """``weights_proj`` (hidden -> index heads), named as in the checkpoint (``indexer.scorer.weights_proj``)."""
+
+    def __init__(self, hidden_size: int, num_heads: int):
+        super().__init__()
+        self.weights_proj = ReplicatedLinear(hidden_size, num_heads)
+
+
+class Indexer(KVCompressor):
+    """CSA's lightning indexer: its own overlapping compressor at ``index_head_dim`` plus query heads.
+
+    Scores ``sum_h w_h relu(q_h . k) / sqrt(D_i)`` with ``w = weights_proj(x) / sqrt(H_i)``, in float32."""
+
+    def __init__(self, config, rope_dim: int):
+        super().__init__(config.hidden_size, config.index_head_dim, config.compress_rates[_COMPRESSED[0]], True,
+                         rope_dim, config.rms_norm_eps)
+        self.num_heads, self.topk = config.index_n_heads, config.index_topk
+        self.q_b_proj = ReplicatedLinear(config.q_lora_rank, self.num_heads * self.head_dim)
+        self.scorer = IndexerScorer(config.hidden_size, self.num_heads)
+
+    def select(self, x, q_resid, keys, positions, cos, sin) -> torch.Tensor:
+        """(T, W) bool: the entries each query attends to (its top-k among those complete before it)."""
+        q = rotate_tail(self.q_b_proj(q_resid).view(x.shape[0], self.num_heads, self.head_dim), cos, sin)
+        scores = torch.relu(q.float() @ keys.float().T) * self.head_dim ** -0.5  # (T, H_i, W)
+        weights = self.scorer.weights_proj(x).float() * self.num_heads ** -0.5
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # (T, W)
+        visible = torch.arange(keys.shape[0], device=x.device)[None] < ((positions + 1) // self.rate)[:, None]
+        picked = scores.masked_fill(~visible, float("-inf")).topk(min(self.topk, keys.shape[0]), dim=-1).indices
+        return torch.zeros_like(visible).scatter_(1, picked, True) & visible
+
+
+class CSACompressor(KVCompressor):
+    """The CSA compressor (rate 4, overlapping windows) with its indexer (checkpoint ``compressor.indexer.*``)."""
+
+    def __init__(self, config, rope_dim: int):
+        super().__init__(config.hidden_size, config.head_dim, config.compress_rates[_COMPRESSED[0]], True, rope_dim,
+                         config.rms_norm_eps)
+        self.indexer = Indexer(config, rope_dim)
+
+
+class V4Attention(nn.Module):
+    """One V4 attention layer; ``config`` is a transformers ``DeepseekV4Config``.
+
+    Raises:
+        ValueError: an unknown ``layer_types`` entry, or heads not divisible into ``o_groups``.
+    """
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type not in ("sliding_attention", *_COMPRESSED):
+            raise ValueError(f"layer_types[{layer_idx}] = {self.layer_type!r} is not a DeepSeek-V4 attention type")
+        if config.num_attention_heads * config.head_dim % config.o_groups:
+            raise ValueError(f"{config.num_attention_heads} heads x {config.head_dim} do not split into "
+                             f"o_groups={config.o_groups}")
+        self.rope_type = "main" if self.layer_type == "sliding_attention" else "compress"
+        self.num_heads, self.head_dim, self.window = config.num_attention_heads, config.head_dim, config.sliding_window
+        self.o_groups, self.eps = config.o_groups, config.rms_norm_eps
+        rope_dim = int(self.head_dim * config.rope_parameters[self.rope_type].get("partial_rotary_factor", 1.0))
+        hidden, q_rank = config.hidden_size, config.q_lora_rank
+        self.q_a_proj = ReplicatedLinear(hidden, q_rank)
+        self.q_a_norm = RMSNorm(q_rank, config.rms_norm_eps)
+        self.q_b_proj = ReplicatedLinear(q_rank, self.num_heads * self.head_dim)
+        self.kv_proj = ReplicatedLinear(hidden, self.head_dim)
+        self.kv_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.o_a_proj = ReplicatedLinear(self.num_heads * self.head_dim // self.o_groups,
+                                         self.o_groups * config.o_lora_rank)  # block-diagonal: one block a group
+        self.o_b_proj = ReplicatedLinear(self.o_groups * config.o_lora_rank, hidden)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
+        self.compressor = None
+        if self.layer_type == _COMPRESSED[0]:
+            self.compressor = CSACompressor(config, rope_dim)
+        elif self.layer_type == _COMPRESSED[1]:
+            self.compressor = KVCompressor(hidden, self.head_dim, config.compress_rates[_COMPRESSED[1]], False,
+                                           rope_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, state: AttentionState, tables: dict
+                ) -> torch.Tensor:
+        """x (T, hidden): the sequence's next T tokens at ``positions`` (T,) (consecutive, after every token
+        ``state`` has seen); tables: {"main"/"compress": (cos, sin) (max_positions, rope_dim / 2)}. -> (T, hidden)."""
+        num_tokens = x.shape[0]
+        cos, sin = (t[positions] for t in tables[self.rope_type])
+        q_resid = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(num_tokens, self.num_heads, self.head_dim)
+        q = rotate_tail(unweighted_rms_norm(q, self.eps), cos, sin)
+        kv = rotate_tail(self.kv_norm(self.kv_proj(x)).unsqueeze(1), cos, sin)[:, 0]  # (T, D)
+        keys = kv if state.window is None else torch.cat([state.window, kv])
+        state.window = keys[-(self.window - 1):] if self.window > 1 else keys[:0]
+        key_pos = torch.arange(int(positions[-1]) + 1 - keys.shape[0], int(positions[-1]) + 1, device=x.device)
+        visible = (key_pos[None] <= positions[:, None]) & (key_pos[None] > positions[:, None] - self.window)
+        if self.compressor is not None:
+            entries, entry_visible = self._compressed(x, q_resid, positions, state, tables["compress"])
+            keys, visible = torch.cat([keys, entries]), torch.cat([visible, entry_visible], dim=1)
+        out = self._attend(q, keys, visible)
+        out = rotate_tail(out, cos, -sin).view(num_tokens, self.o_groups, -1)
+        weight = self.o_a_proj.weight.view(self.o_groups, -1, out.shape[-1])  # (g, o_lora_rank, N D / g)
+        return self.o_b_proj(torch.einsum("tgi,goi->tgo", out, weight.to(out.dtype)).flatten(1))
+
+    def _compressed(self, x, q_resid, positions, state: AttentionState, compress_tables):
+        """(all entries so far (W, D), (T, W) which ones each query sees)."""
+        new = self.compressor(x, state.compressor, *compress_tables)
+        state.entries = new if state.entries is None else torch.cat([state.entries, new])
+        rate = self.compressor.rate
+        if isinstance(self.compressor, CSACompressor):
+            indexer = self.compressor.indexer
+            new_keys = indexer(x, state.indexer, *compress_tables)
+            state.index_keys = new_keys if state.index_keys is None else torch.cat([state.index_keys, new_keys])
+            cos, sin = (t[positions] for t in compress_tables)
+            return state.entries, indexer.select(x, q_resid, state.index_keys, positions, cos, sin)
+        index = torch.arange(state.entries.shape[0], device=x.device)
+        return state.entries, index[None] < ((positions + 1) // rate)[:, None]
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """q (T, N, D) over keys = values (L, D) where ``visible`` (T, L); a sink logit per head joins the
+        softmax and takes its share of the weight, then is dropped. -> (T, N, D)."""
+        scores = torch.einsum("tnd,ld->tnl", q, keys) * self.head_dim ** -0.5
+        scores = scores.masked_fill(~visible[:, None], float("-inf"))
+        sinks = self.sinks.to(scores.dtype).view(1, -1, 1).expand(scores.shape[0], -1, 1)
+        logits = torch.cat([scores, sinks], dim=-1)
+        probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+        return torch.einsum("tnl,ld->tnd", probs.to(keys.dtype), keys)
