@@ -71,3 +71,21 @@ def test_positions_past_the_tables_are_refused(v4):
     _, ours = v4
     with pytest.raises(ValueError, match="exceed max_positions=128"):
         ours(torch.zeros(4, dtype=torch.long), 126, ours.new_state())
+
+
+def test_state_bytes_equal_the_config_formula_at_8k_and_32k():
+    """The reference path's own accounting (every tensor it keeps) against ``llm/plan_v4.py``'s formula, after 8K
+    and after 32K tokens of one prefill fed in chunks that end inside windows."""
+    from metainfer_gen.llm.plan_v4 import v4_state_bytes
+
+    hf = make_hf_v4_model(num_hidden_layers=2, layer_types=[CSA, HCA], mlp_layer_types=["hash_moe", "moe"],
+                          num_attention_heads=2, index_n_heads=2)
+    ours = DeepseekV4Reference.from_hf(hf, 32768)
+    state, chunk = ours.new_state(), 4099
+    ids = torch.randint(0, hf.config.vocab_size, (32768,), generator=torch.Generator().manual_seed(0))
+    for context in (8192, 32768):
+        for lo in range(context - 8192 if context == 8192 else 8192, context, chunk):
+            ours(ids[lo:min(lo + chunk, context)], lo, state)
+        formula = v4_state_bytes(hf.config.to_dict(), context, 4)
+        assert sum(s.nbytes for s in state) == formula["total"], context
+        assert formula["entries"] == 4 * 32 * (context // 4 + context // 8)  # one CSA and one HCA layer, D = 32

@@ -132,3 +132,32 @@ def test_tp2_streamed_sharded_load_equals_transformers(glm, tmp_path):
         assert out["tokens"] == expected[:8], f"rank {rank}"
         torch.testing.assert_close(torch.tensor(out["logits"]), ref_logits, atol=1e-4, rtol=0)
         assert out["local_heads"] == model.config.num_attention_heads // 2
+
+
+def test_deepseek_format_fp8_checkpoint_loads_dequantised_to_transformers_tokens(tmp_path):
+    """GLM-5 ships FP8 (e4m3 + 128x128 ``weight_scale_inv``): a checkpoint of weights already on the FP8 grid,
+    saved in that format, loads dequantised on the CPU to exactly those weights, so its greedy tokens equal
+    transformers' on the same grid weights (a shared layer has no indexer weights to quantise)."""
+    from metainfer_gen.kernels.fp8_quant import dequantize_fp8_weight_reference, quantize_fp8_weight
+    from tests.llm.checkpoints import FP8_LINEAR, save_fp8_checkpoint
+
+    def to_grid(weight):
+        return dequantize_fp8_weight_reference(*quantize_fp8_weight(weight))
+
+    model = make_hf_glm_model(seed=2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if FP8_LINEAR.search(name):
+                param.copy_(to_grid(param.data))
+            elif name.endswith("experts.gate_up_proj"):  # saved per expert as gate_proj / up_proj: one grid each
+                for expert in param:
+                    gate, up = expert.chunk(2)
+                    expert.copy_(torch.cat([to_grid(gate), to_grid(up)]))
+            elif name.endswith("experts.down_proj"):
+                for expert in param:
+                    expert.copy_(to_grid(expert))
+    save_fp8_checkpoint(model, tmp_path, max_shard_size="100KB")
+    engine = LLMEngine.from_pretrained(tmp_path, EngineConfig(block_size=4))
+    assert engine.weight_format.name.startswith("dequantised from fp8")
+    prompts = random_prompts(4, model.config.vocab_size, (TOPK + 1, 3 * TOPK), seed=8)
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == [hf_greedy(model, p, MAX_NEW) for p in prompts]

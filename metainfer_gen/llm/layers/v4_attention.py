@@ -48,6 +48,14 @@ class AttentionState:
         self.window = self.entries = self.index_keys = None
         self.compressor, self.indexer = CompressorState(), CompressorState()
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor this state holds (the compressors' buffers included)."""
+        tensors = [self.window, self.entries, self.index_keys]
+        for c in (self.compressor, self.indexer):
+            tensors += [c.kv, c.gate, c.prior_kv, c.prior_gate]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
 
 class IndexerScorer(nn.Module):
     """``weights_proj`` (hidden -> index heads), named as in the checkpoint (``indexer.scorer.weights_proj``)."""
