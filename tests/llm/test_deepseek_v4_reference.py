@@ -79,7 +79,7 @@ def test_state_bytes_equal_the_config_formula_at_8k_and_32k():
     from metainfer_gen.llm.plan_v4 import v4_state_bytes
 
     hf = make_hf_v4_model(num_hidden_layers=2, layer_types=[CSA, HCA], mlp_layer_types=["hash_moe", "moe"],
-                          num_attention_heads=2, index_n_heads=2)
+                          num_attention_heads=2, index_n_heads=2, compress_rates={CSA: 16, HCA: 64})  # 32K: 2K entries
     ours = DeepseekV4Reference.from_hf(hf, 32768)
     state, chunk = ours.new_state(), 4099
     ids = torch.randint(0, hf.config.vocab_size, (32768,), generator=torch.Generator().manual_seed(0))
@@ -88,4 +88,4 @@ def test_state_bytes_equal_the_config_formula_at_8k_and_32k():
             ours(ids[lo:min(lo + chunk, context)], lo, state)
         formula = v4_state_bytes(hf.config.to_dict(), context, 4)
         assert sum(s.nbytes for s in state) == formula["total"], context
-        assert formula["entries"] == 4 * 32 * (context // 4 + context // 8)  # one CSA and one HCA layer, D = 32
+        assert formula["entries"] == 4 * 32 * (context // 16 + context // 64)  # one CSA, one HCA layer, D = 32
