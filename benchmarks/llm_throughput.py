@@ -1,6 +1,7 @@
 """LLM serving benchmark: our engine vs transformers ``generate`` (batched, left-padded) on the same prompts.
 
     OMP_NUM_THREADS=2 python benchmarks/llm_throughput.py              # embedded LLM + a larger random DeepSeek-V3
+    python benchmarks/llm_throughput.py --models random-glm5 --concurrency 1,16   # a random GLM-5 (glm_moe_dsa)
     python benchmarks/llm_throughput.py --quick                        # small shapes (smoke run)
     python benchmarks/llm_throughput.py --models embedded --concurrency 64 --no-prefix-cache   # one row pair
 
@@ -34,6 +35,15 @@ LARGE = dict(vocab_size=4096, hidden_size=384, intermediate_size=1024, moe_inter
              num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=128,
              q_lora_rank=192, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
              max_position_embeddings=4096, num_mtp_layers=0)
+# GLM-5's layout at LARGE's widths: DSA indexer (top-k 64 < the prompts), full/shared indexer layers, its
+# qk_nope != v head widths, MLP types per layer. GLM-5's 32 indexer heads: with few heads a key whose every head
+# scores <= 0 ties at exactly 0, and a top-k boundary on such a tie breaks differently in prefill and decode (in
+# transformers as here). DeepSeek-V4 is not in the engine: benchmarks/v4_reference.py times its reference path.
+GLM5 = {**{k: v for k, v in LARGE.items() if k not in ("num_mtp_layers", "first_k_dense_replace")},
+        "qk_nope_head_dim": 48, "v_head_dim": 64, "index_topk": 64, "index_head_dim": 32, "index_n_heads": 32,
+        "indexer_types": ["full", "full", "shared", "full", "shared", "shared"],
+        "mlp_layer_types": ["dense"] + ["sparse"] * 5}
+RANDOM_MODELS = {"random-large": ("deepseek_v3", LARGE), "random-glm5": ("glm_moe_dsa", GLM5)}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -151,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="checkpoint to use instead of the embedded LLM")
     parser.add_argument("--new-tokens", type=int, default=32, help="output tokens per request")
     parser.add_argument("--models", default="embedded,random-large",
-                        help="comma-separated subset of embedded,random-large (throughput rows)")
+                        help="comma-separated subset of embedded,random-large,random-glm5 (throughput rows)")
     parser.add_argument("--concurrency", default=None,
                         help="comma-separated request counts (default 1,16,64; --quick 1,4)")
     parser.add_argument("--no-prefix-cache", action="store_true", help="skip the prefix-cache TTFT table")
@@ -160,8 +170,8 @@ def main(argv: list[str] | None = None) -> None:
                              "before grouped experts), same prompts, same run")
     args = parser.parse_args(argv)
     names = args.models.split(",")
-    if not set(names) <= {"embedded", "random-large"}:
-        parser.error(f"--models takes embedded and/or random-large; got {args.models!r}")
+    if not set(names) <= {"embedded", *RANDOM_MODELS}:
+        parser.error(f"--models takes embedded, random-large and/or random-glm5; got {args.models!r}")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from metainfer_gen.pipelines.text_generation import default_llm_dir
@@ -172,12 +182,13 @@ def main(argv: list[str] | None = None) -> None:
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     new_tokens = 4 if args.quick else args.new_tokens
     tmp = Path(tempfile.mkdtemp(prefix="llm_bench_"))
-    large = {**LARGE, **(dict(hidden_size=128, num_hidden_layers=2, vocab_size=512) if args.quick else {})}
-    config = AutoConfig.for_model("deepseek_v3", bos_token_id=None, eos_token_id=None, **large)
-    if "random-large" in names or not args.no_prefix_cache:
-        AutoModelForCausalLM.from_config(config).save_pretrained(tmp / "large")
+    quick = dict(hidden_size=128, vocab_size=512) if args.quick else {}
+    for name, (model_type, shape) in RANDOM_MODELS.items():
+        if name in names or (name == "random-large" and not args.no_prefix_cache):
+            config = AutoConfig.for_model(model_type, bos_token_id=None, eos_token_id=None, **{**shape, **quick})
+            AutoModelForCausalLM.from_config(config).save_pretrained(tmp / name)
     models = [("embedded", Path(args.model) if args.model else default_llm_dir(), (32, 256)),
-              ("random-large", tmp / "large", (64, 512))]
+              *((name, tmp / name, (64, 512)) for name in RANDOM_MODELS)]
     models = [m for m in models if m[0] in names]
     engine_config = EngineConfig(block_size=16, max_num_seqs=64, max_num_batched_tokens=2048)
     rows = []
@@ -195,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     prefix_len = 128 if args.quick else 1024
     print()
     print_table(["prompt", "prefix cache", "TTFT ms", "cached tokens", "speedup"],
-                prefix_cache_rows(tmp / "large", prefix_len, engine_config, repeats=3 if args.quick else 5))
+                prefix_cache_rows(tmp / "random-large", prefix_len, engine_config, repeats=3 if args.quick else 5))
 
 
 if __name__ == "__main__":
