@@ -90,10 +90,13 @@ class DeepseekV3Model(nn.Module):
         self.attention_path = attention_path(config)
 
     def forward(self, input_ids, meta, kv_caches):
-        record(AUDIT_OP, AUDIT_SITE, self.attention_path)
+        if not torch.compiler.is_compiling():  # eager steps (every prefill) audit; a compiled decode graph does not
+            record(AUDIT_OP, AUDIT_SITE, self.attention_path)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(meta.positions)
-        carry = TopKCarry()  # a full DSA layer's selection, for the shared layers after it (GLM-5)
+        # a full DSA layer's selection, for the shared layers after it (GLM-5); dense models (the compiled ones)
+        # build nothing
+        carry = TopKCarry() if self.layers[0].sparse else None
         for layer, cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, meta, cache, carry)
         return self.norm(x)
