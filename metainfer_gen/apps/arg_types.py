@@ -13,6 +13,24 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An integer >= 0. Raises argparse.ArgumentTypeError otherwise."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0; got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0. Raises argparse.ArgumentTypeError otherwise."""
+    import math
+
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0; got {text}")
+    return value
+
+
 def port(text: str) -> int:
     """A TCP port in [0, 65535] (0: any free one). Raises argparse.ArgumentTypeError otherwise."""
     value = int(text)

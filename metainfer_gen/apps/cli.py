@@ -239,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     from metainfer_gen.apps.serve_cmd import add_serve_parser
 
     add_serve_parser(subparsers)
+    from metainfer_gen.apps.video_worker_cmd import add_video_worker_parser
+
+    add_video_worker_parser(subparsers)
     return parser
 
 

@@ -6,6 +6,8 @@
     metainfer-gen serve --llm CKPT --port 8001 --api-key SECRET --max-num-seqs 32
     metainfer-gen serve --host 0.0.0.0                # reachable from the network: set an API key too
     metainfer-gen serve --llm CKPT --tp 2             # 2 tensor-parallel ranks; rank 0 serves HTTP
+    metainfer-gen serve --llm none --job-store postgresql://db/jobs --clips-dir /mnt/clips --video-workers 0
+                                                      # an API-only node of a fleet (docs/fleet.md)
 
 Needs the serve extra: ``pip install 'metainfer-gen[serve]'``. With ``--tp N`` this command starts ranks 1..N-1
 itself (or runs under ``torchrun --nproc-per-node N``): every rank steps the engine, rank 0 serves
@@ -100,16 +102,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          video=video)
     try:
         bind_socket(args.host, args.port).close()  # a taken port fails now, not after the model loaded
-        if video is not None:  # and so does a data folder another server holds
+        if video is not None and video.job_store is None:  # and so does a data folder another server holds
             from pathlib import Path
 
             from metainfer_gen.serve.video.service import lock_data_dir
 
             lock_data_dir(Path(video.data_dir).resolve()).close()
+        elif video is not None:  # and a fleet store that is unreachable, too new, or needs the fleet extra
+            from metainfer_gen.serve.video.stores import open_job_store
+
+            open_job_store(video.job_store).close()
+    except ImportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"error: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
-    except RuntimeError as exc:  # DataDirInUse
+    except RuntimeError as exc:  # DataDirInUse, JobStoreUnavailable, SchemaTooNew
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not config.with_llm:

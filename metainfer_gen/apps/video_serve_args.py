@@ -8,7 +8,8 @@ import functools
 import os
 from pathlib import Path
 
-from metainfer_gen.apps.arg_types import positive_int
+from metainfer_gen.apps.arg_types import non_negative_int, positive_int
+from metainfer_gen.apps.fleet_args import add_job_store_arguments, job_store_options
 from metainfer_gen.apps.demo_limits import DemoLimits, check_lora
 
 NONE = "none"
@@ -26,14 +27,16 @@ def add_video_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--video", default=None,
                    help="video pipeline folder or hub id to serve on /v1/videos (default: the embedded model; "
                         "'none': no video routes)")
-    p.add_argument("--video-workers", type=positive_int, default=1,
+    p.add_argument("--video-workers", type=non_negative_int, default=1,
                    help="video worker processes, each loading the model once: one per GPU; on the CPU the cores "
-                        "are split between them (default 1)")
+                        "are split between them; 0: an API-only node whose jobs the fleet's workers render "
+                        "(default 1)")
     p.add_argument("--video-threads", type=positive_int, default=None,
                    help="CPU threads per video worker (default: the usable cores / --video-workers)")
     p.add_argument("--data-dir", type=Path, default=None,
-                   help=f"folder of the video job store (SQLite), clips and uploads; jobs survive restarts "
+                   help=f"folder of the local video job store (SQLite), clips and uploads; jobs survive restarts "
                         f"(default {default_data_dir()})")
+    add_job_store_arguments(p)
     p.add_argument("--lora-dir", type=Path, default=None,
                    help="folder whose LoRA files requests may name in 'lora' (names only, never paths; default: "
                         "the embedded model's LoRAs when serving it, else none)")
@@ -67,4 +70,5 @@ def video_serve_config(args: argparse.Namespace):
     lora = None if lora_dir is None else functools.partial(check_lora, lora_dir)
     return VideoServeConfig(data_dir=args.data_dir or default_data_dir(), limits=limits, model=args.video,
                             num_workers=args.video_workers, num_threads=args.video_threads,
-                            device=args.video_device, lora=lora, max_upload_bytes=args.max_upload_mb << 20)
+                            device=args.video_device, lora=lora, max_upload_bytes=args.max_upload_mb << 20,
+                            **job_store_options(args))

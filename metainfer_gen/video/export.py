@@ -125,11 +125,27 @@ def save_video(frames: np.ndarray, path: str | os.PathLike, fps: float = 8.0) ->
                     writer.append_data(frame)
         else:
             write_gif(frames, tmp_name, delays)  # not imageio's: Pillow's writer merges identical frames
-        os.replace(tmp_name, path)
+        durable_replace(tmp_name, path)
     finally:
         if os.path.exists(tmp_name):
             os.unlink(tmp_name)
     return path
+
+
+def durable_replace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Rename the finished file ``src`` onto ``dst`` so that a crash or power cut leaves either the old ``dst`` or
+    the whole new one: fsync the file, rename it (atomic within one filesystem, NFS included), fsync the folder."""
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(src, dst)
+    folder = os.open(os.path.dirname(os.path.abspath(dst)), os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 def read_video(path: str | os.PathLike) -> np.ndarray:

@@ -73,3 +73,68 @@ def wait_idle(server, timeout_s: float = 10.0) -> None:
 def free_blocks(server) -> tuple[int, int]:
     pool = server.front.engine.block_manager
     return pool.num_free_blocks, pool.num_blocks
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A PostgreSQL server for the session (see ``tests/serve/postgres_cluster.py``): the one at
+    ``$METAINFER_GEN_TEST_PG``, else one started here. Skips without PostgreSQL binaries, unless ``CI=true``."""
+    import os
+
+    from tests.serve.postgres_cluster import ENV_URL, PostgresCluster, postgres_bindir
+
+    pytest.importorskip("psycopg", reason="the PostgreSQL tests need the fleet extra: pip install 'metainfer-gen[fleet]'")
+    if os.environ.get(ENV_URL):
+        yield _ExternalCluster(os.environ[ENV_URL])
+        return
+    if postgres_bindir() is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI=true and no PostgreSQL binaries: install Debian's postgresql (.ci/run does)")
+        pytest.skip("no PostgreSQL binaries (apt-get install postgresql)")
+    cluster = PostgresCluster()
+    try:
+        cluster.start()
+    except RuntimeError as exc:
+        pytest.fail(f"PostgreSQL did not start: {exc}")
+    yield cluster
+    cluster.remove()
+
+
+class _ExternalCluster:
+    """A server someone else started (its address's database ``postgres`` is the maintenance one)."""
+
+    def __init__(self, url: str):
+        self.base = url.rsplit("/", 1)[0]
+
+    def create_database(self, name: str) -> str:
+        import psycopg
+
+        with psycopg.connect(f"{self.base}/postgres", autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return f"{self.base}/{name}"
+
+
+@pytest.fixture
+def postgres_url(postgres, request):
+    """A fresh database on the session's server for one test."""
+    import re
+
+    return postgres.create_database("t_" + re.sub(r"\W", "_", request.node.name)[:50].lower())
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def opener(request, tmp_path):
+    """``opener(**options)`` opens another connection to one store of the parametrised backend."""
+    address = str(tmp_path / "jobs.sqlite3") if request.param == "sqlite" else request.getfixturevalue("postgres_url")
+    from metainfer_gen.serve.video.stores import open_job_store
+
+    opened = []
+
+    def open_store(**options):
+        opened.append(open_job_store(address, **options))
+        return opened[-1]
+
+    yield open_store
+    for store in opened:
+        store.close()

@@ -226,12 +226,12 @@ def test_a_worker_that_dies_fails_its_job_and_is_replaced(http, video_server):
     video_id = http.post("/v1/videos", json={"prompt": "long", **LONG, "seed": 4}).json()["id"]
     running = wait_for(http, video_id, ("in_progress",), min_progress=2)
     worker = service.store.get(video_id).worker
-    old = service._workers[worker]
+    old = service.pool.process(worker)
     os.kill(old.pid, signal.SIGKILL)
     failed = wait_for(http, video_id, timeout_s=30)
     assert failed["status"] == "failed" and "exited with code -9" in failed["error"]["message"], (running, failed)
     deadline = time.monotonic() + 120
-    while service._workers[worker] is old or not service._workers[worker].is_alive():
+    while service.pool.process(worker) is old or not service.pool.process(worker).is_alive():
         assert time.monotonic() < deadline, "the worker was not restarted"
         time.sleep(0.1)
     after = [http.post("/v1/videos", json={"prompt": "after", **SHORT, "seed": s}).json()["id"] for s in (5, 6)]

@@ -48,7 +48,7 @@ def digest(path: Path) -> str:
 def test_kill_9_while_a_job_runs_then_restart(tiny_wan_dir, tmp_path):
     import httpx
 
-    from metainfer_gen.serve.video.jobs import JobStore
+    from metainfer_gen.serve.video.sqlite_store import SQLiteJobStore
 
     data, log = tmp_path / "data", tmp_path / "server.log"
     proc, url = start_server(tiny_wan_dir, data, log)
@@ -65,7 +65,7 @@ def test_kill_9_while_a_job_runs_then_restart(tiny_wan_dir, tmp_path):
         proc.wait(10)
     finally:
         stop_process(proc)
-    store = JobStore(data / "jobs.sqlite3")
+    store = SQLiteJobStore(data / "jobs.sqlite3")
     assert store.get(running).status.value == "in_progress" and store.get(queued).status.value == "queued"
     store.close()
     proc, url = start_server(tiny_wan_dir, data, tmp_path / "restarted.log")
@@ -79,7 +79,7 @@ def test_kill_9_while_a_job_runs_then_restart(tiny_wan_dir, tmp_path):
     finally:
         stop_process(proc)
     assert {v: digest(data / "clips" / f"{v}.mp4") for v in done} == clips
-    store = JobStore(data / "jobs.sqlite3")
+    store = SQLiteJobStore(data / "jobs.sqlite3")
     try:
         jobs = {v: store.get(v) for v in (*done, running, queued)}
     finally:

@@ -1,24 +1,24 @@
 """The video job store and request checks, without a server: atomic claims across connections, the attempt guard
 that keeps a requeued job from being completed by its old claim, cancel semantics, the newest-first cursor, and
-how ``seconds``/``fps`` become a frame count."""
+how ``seconds``/``fps`` become a frame count. Every store test runs on both backends (SQLite, PostgreSQL)."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from metainfer_gen.serve.errors import APIError
-from metainfer_gen.serve.video.jobs import JobStatus, JobStore
+from metainfer_gen.serve.video.jobs import JobStatus
+from metainfer_gen.serve.video.sqlite_store import SQLiteJobStore
 from metainfer_gen.serve.video.request import RequestChecks, parse_video_request
 from metainfer_gen.video.rules import VideoRules
 from tests.serve.video_helpers import small_limits
 
 
-def test_claims_from_many_connections_take_each_job_once(tmp_path):
-    path = tmp_path / "jobs.sqlite3"
-    JobStore(path).close()
-    stores = [JobStore(path) for _ in range(4)]
+def test_claims_from_many_connections_take_each_job_once(opener):
+    stores = [opener() for _ in range(4)]
     for i in range(40):
         stores[0].add(f"job{i}", {"n": i})
     taken: list[list[str]] = [[] for _ in stores]
@@ -37,16 +37,15 @@ def test_claims_from_many_connections_take_each_job_once(tmp_path):
         t.join(30)
     ids = [j for part in taken for j in part]
     assert sorted(ids) == sorted(f"job{i}" for i in range(40)) and len(set(ids)) == 40
-    for store in stores:
-        store.close()
 
 
-def test_a_requeued_job_cannot_be_completed_by_its_old_claim(tmp_path):
-    store = JobStore(tmp_path / "jobs.sqlite3")
+def test_a_requeued_job_cannot_be_completed_by_its_old_claim(opener):
+    store = opener(lease_s=0.2)
     store.add("a", {})
     first = store.claim(0)
     assert store.set_progress(first, 40)
-    assert store.requeue_interrupted() == 1  # the server restarted
+    time.sleep(0.3)  # no heartbeat: the lease runs out
+    assert store.requeue_expired() == 1
     assert store.get("a").status is JobStatus.QUEUED and store.get("a").progress == 0
     second = store.claim(1)
     assert second.attempt == first.attempt + 1
@@ -54,12 +53,11 @@ def test_a_requeued_job_cannot_be_completed_by_its_old_claim(tmp_path):
     assert store.complete(second, 2.0)
     job = store.get("a")
     assert (job.status, job.renders, job.progress, job.render_seconds) == (JobStatus.COMPLETED, 1, 100, 2.0)
-    assert not store.complete(second, 2.0) and store.get("a").renders == 1  # never counted twice
-    store.close()
+    assert store.complete(second, 2.0) and store.get("a").renders == 1  # a retried completion is never counted twice
 
 
-def test_cancel_queued_running_and_finished(tmp_path):
-    store = JobStore(tmp_path / "jobs.sqlite3")
+def test_cancel_queued_running_and_finished(opener):
+    store = opener()
     for name in ("queued", "running", "done"):
         store.add(name, {})
     assert store.cancel("queued").status is JobStatus.CANCELLED
@@ -77,18 +75,16 @@ def test_cancel_queued_running_and_finished(tmp_path):
     assert not store.delete("nope") and store.delete("done") and store.get("done") is None
     assert store.cancel("nope") is None
     assert store.counts()[JobStatus.CANCELLED] == 3
-    store.close()
 
 
-def test_list_is_newest_first_with_an_after_cursor(tmp_path):
-    store = JobStore(tmp_path / "jobs.sqlite3")
+def test_list_is_newest_first_with_an_after_cursor(opener):
+    store = opener()
     for i in range(5):
         store.add(f"j{i}", {})
     assert [j.id for j in store.list(3)] == ["j4", "j3", "j2"]
     assert [j.id for j in store.list(3, after="j2")] == ["j1", "j0"]
     with pytest.raises(KeyError):
         store.list(3, after="missing")
-    store.close()
 
 
 def checks() -> RequestChecks:
@@ -131,12 +127,10 @@ def test_one_server_per_data_folder(tmp_path, tiny_wan_dir):
     VideoService(config).close()  # released: a restart on the folder opens it
 
 
-def test_a_dead_workers_readiness_is_forgotten_alone(tmp_path):
-    store = JobStore(tmp_path / "jobs.sqlite3")
-    try:
-        store.set_meta("ready:0", 101)
-        store.set_meta("ready:1", 102)
-        store.delete_meta("ready:0")
-        assert store.get_meta("ready:0") is None and store.get_meta("ready:1") == 102
-    finally:
-        store.close()
+def test_a_dead_workers_readiness_is_forgotten_alone(opener):
+    store = opener()
+    store.set_meta("ready:0", 101)
+    store.set_meta("ready:1", 102)
+    store.set_meta("ready:1", 103)
+    store.delete_meta("ready:0")
+    assert store.get_meta("ready:0") is None and store.get_meta("ready:1") == 103

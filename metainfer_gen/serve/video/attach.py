@@ -23,8 +23,8 @@ def serving_app(front, llm_metrics, settings, video=None):
     if front is None and video is None:
         raise ValueError("nothing to serve: give an LLM, a video model, or both")
 
-    def video_health() -> str | None:
-        if video is not None and video.num_alive_workers == 0:
+    def video_health() -> str | None:  # an API-only node (no workers of its own) is healthy while it answers
+        if video is not None and video.config.num_workers > 0 and video.num_alive_workers == 0:
             return "no video worker process is running"
         return None
 

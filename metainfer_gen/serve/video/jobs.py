@@ -1,47 +1,27 @@
-"""The video job store: one SQLite file (standard library ``sqlite3``, WAL mode) that the server and every worker
-process open, and that outlives any of them.
+"""The video job store: one interface (:class:`JobStore`), two backends (``sqlite_store``: one machine, nothing to
+set up; ``postgres_store``: a fleet of machines sharing one queue). The SQL is written once here; a backend supplies
+its connection, its clock expression, its claim lock clause and its wake-ups.
 
-A job moves ``queued -> in_progress -> completed | failed | cancelled``. Workers take jobs with :meth:`claim`, an
-``UPDATE ... RETURNING`` inside ``BEGIN IMMEDIATE`` (SQLite's write lock), so two workers never take the same job.
-Every claim gets a fresh ``attempt`` number, and a worker may record the end of a job only while the row still
-holds its attempt: after a crash, :meth:`requeue_interrupted` puts running jobs back in the queue, and a worker of
-the dead server that somehow lived on can no longer complete them. ``renders`` counts completions, so "each job
-exactly once" is a number in the store, not a belief.
+A job moves ``queued -> in_progress -> completed | failed | cancelled``. A worker takes a job with :meth:`claim`
+(atomically: no two workers get the same one) and holds it under a *lease* that its heartbeat renews
+(:meth:`renew`); every claim bumps ``attempt``, the fencing token: a worker may record progress or the end of a job
+only while the row still holds its attempt, so a worker whose lease ran out and was taken over can neither finish
+nor write the job. Expired leases go back to the queue (:meth:`requeue_expired`) until ``max_attempts`` claims have
+been spent, then the job fails. ``renders`` counts completions, so "each job exactly once" is a number in the
+store, not a belief. Times are the database's clock (one clock for the whole fleet).
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
-import threading
 import time
 from dataclasses import dataclass
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
-STORE_NAME = "jobs.sqlite3"
-_BUSY_TIMEOUT_S = 30.0
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    id TEXT PRIMARY KEY,
-    seq INTEGER NOT NULL,
-    created_at INTEGER NOT NULL,
-    status TEXT NOT NULL,
-    request TEXT NOT NULL,
-    progress INTEGER NOT NULL DEFAULT 0,
-    error TEXT,
-    cancel_requested INTEGER NOT NULL DEFAULT 0,
-    attempt INTEGER NOT NULL DEFAULT 0,
-    renders INTEGER NOT NULL DEFAULT 0,
-    worker INTEGER,
-    render_seconds REAL,
-    completed_at INTEGER
-);
-CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status, seq);
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-"""
+SCHEMA_VERSION = 2  # 1: before leases (no lease_expires_at / owner columns); 2: leases
+DEFAULT_LEASE_S = 30.0
+DEFAULT_MAX_ATTEMPTS = 3
 
 
 class JobStatus(str, Enum):
@@ -61,7 +41,8 @@ class JobStatus(str, Enum):
 @dataclass(frozen=True, slots=True)
 class Job:
     """One row. ``request`` is the checked request as a dict (:class:`~.request.VideoRequest` fields);
-    ``progress`` is in percent; ``created_at`` / ``completed_at`` are Unix seconds."""
+    ``progress`` is in percent; ``created_at`` / ``completed_at`` are Unix seconds; ``owner`` names the worker
+    holding (or last holding) the job, ``"<node>/<index>"``; ``lease_expires_at`` is Unix seconds (database clock)."""
 
     id: str
     created_at: int
@@ -75,61 +56,85 @@ class Job:
     worker: int | None = None
     render_seconds: float | None = None
     completed_at: int | None = None
+    owner: str | None = None
+    lease_expires_at: float | None = None
 
 
-_COLUMNS = "id, created_at, status, request, progress, error, cancel_requested, attempt, renders, worker, " \
-           "render_seconds, completed_at"
+class SchemaTooNew(RuntimeError):
+    """The store was made by a newer metainfer-gen than this one: refuse it rather than misread it."""
 
 
-def _job(row: tuple) -> Job:
+class JobStoreUnavailable(RuntimeError):
+    """The store cannot be reached (the database server is down or the address is wrong) within the retry time."""
+
+
+def check_schema_version(found: int, where: str) -> None:
+    """Raise :class:`SchemaTooNew` when ``found`` is newer than :data:`SCHEMA_VERSION`."""
+    if found > SCHEMA_VERSION:
+        raise SchemaTooNew(f"the job store {where} has schema version {found}, newer than the {SCHEMA_VERSION} this "
+                           "metainfer-gen knows: upgrade metainfer-gen on this machine (every machine of a fleet "
+                           "must run a version that knows the store's schema)")
+
+
+_COLUMNS = ("id, created_at, status, request, progress, error, cancel_requested, attempt, renders, worker, "
+            "render_seconds, completed_at, owner, lease_expires_at")
+
+
+_HELD = "id = ? AND status = 'in_progress' AND attempt = ?"  # the row still holds this claim (the fence)
+
+
+def _job(row) -> Job:
     return Job(row[0], row[1], JobStatus(row[2]), json.loads(row[3]), row[4], row[5], bool(row[6]), *row[7:])
 
 
 class JobStore:
-    """The jobs of one data folder. Open one per process (a connection is not shared across processes).
+    """The interface both backends implement; every method is one short transaction.
 
-    Args:
-        path: the SQLite file (created with its tables when missing; its folder must exist).
+    A backend sets ``NOW`` (SQL for the database's clock, Unix seconds), ``CLAIM_LOCK`` (appended to the claim's
+    row selection: PostgreSQL's ``FOR UPDATE SKIP LOCKED``), ``NEXT_SEQ`` (the insert's ordering value) and
+    ``shared`` (True when many machines may use the store: no start-up may then requeue others' running jobs), and
+    implements :meth:`_write`, :meth:`_read`, :meth:`wait_for_work` and :meth:`close` (and :meth:`listen` where it
+    has wake-ups). :func:`~.stores.open_job_store` opens one from an address.
+
+    Args (of every backend): lease_s: how long a claim holds without a heartbeat, seconds; max_attempts: claims a
+        job may take before an expired lease fails it instead of requeueing it.
     """
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self._lock = threading.RLock()  # one connection serves the server's threads: one transaction at a time
-        self._db = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None,
-                                   check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        # NORMAL under WAL: a commit survives any process crash (kill -9); only a power cut may lose the last few.
-        # FULL would fsync on every progress update of every denoising step.
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+    NOW = ""
+    CLAIM_LOCK = ""
+    NEXT_SEQ = ""
+    shared = False
 
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
+    def __init__(self, lease_s: float = DEFAULT_LEASE_S, max_attempts: int = DEFAULT_MAX_ATTEMPTS):
+        if not lease_s > 0 or max_attempts < 1:
+            raise ValueError(f"lease_s must be > 0 and max_attempts >= 1; got {lease_s}, {max_attempts}")
+        self.lease_s = float(lease_s)
+        self.max_attempts = int(max_attempts)
 
-    def _write(self, sql: str, args: tuple = ()) -> list[tuple]:
-        """One statement in its own immediate transaction (takes the write lock first: no upgrade deadlock)."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                rows = self._db.execute(sql, args).fetchall()
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
-            return rows
+    # -- what a backend provides ------------------------------------------------------------------------------
+    def _write(self, sql: str, args: tuple = (), notify: bool = False) -> list[tuple]:
+        """Run one statement in its own write transaction; ``notify``: wake idle workers when it commits."""
+        raise NotImplementedError
 
     def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
-        with self._lock:
-            return self._db.execute(sql, args).fetchall()
+        raise NotImplementedError
+
+    def listen(self) -> None:
+        """Start receiving wake-ups (a worker calls it before its first claim); a no-op where there are none."""
+
+    def wait_for_work(self, timeout_s: float) -> None:
+        """Block until a job may be waiting (a wake-up) or ``timeout_s`` seconds passed."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
 
     # -- the server's side ------------------------------------------------------------------------------------
     def add(self, job_id: str, request: dict[str, Any]) -> Job:
-        """Queue a new job (``job_id``: a random UUID the caller made). Returns its row."""
-        now = int(time.time())
-        self._write("INSERT INTO jobs (id, seq, created_at, status, request) VALUES "
-                    "(?, (SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs), ?, ?, ?)",
-                    (job_id, now, JobStatus.QUEUED.value, json.dumps(request)))
+        """Queue a new job (``job_id``: a random UUID the caller made; adding it again changes nothing)."""
+        self._write(f"INSERT INTO jobs (id, seq, created_at, status, request) VALUES (?, {self.NEXT_SEQ}, ?, ?, ?) "
+                    "ON CONFLICT (id) DO NOTHING RETURNING id",
+                    (job_id, int(time.time()), JobStatus.QUEUED.value, json.dumps(request)), notify=True)
         return self.get(job_id)
 
     def get(self, job_id: str) -> Job | None:
@@ -150,8 +155,8 @@ class JobStore:
         return [_job(r) for r in rows]
 
     def cancel(self, job_id: str) -> Job | None:
-        """A queued job becomes ``cancelled`` at once; a running one is flagged (its worker stops at the next
-        denoising step). Returns the row after the change (None: no such job)."""
+        """A queued job becomes ``cancelled`` at once; a running one is flagged (its worker, on whichever machine,
+        stops at the next denoising step). Returns the row after the change (None: no such job)."""
         self._write("UPDATE jobs SET status = CASE status WHEN 'queued' THEN 'cancelled' ELSE status END, "
                     "cancel_requested = CASE status WHEN 'in_progress' THEN 1 ELSE cancel_requested END "
                     "WHERE id = ?", (job_id,))
@@ -164,10 +169,27 @@ class JobStore:
         return bool(rows)
 
     def requeue_interrupted(self) -> int:
-        """Put every ``in_progress`` job back in the queue (call at start-up, before any worker runs): those of a
-        server that was killed. A cancel asked of one makes it ``cancelled`` instead. Returns how many moved."""
+        """Put every ``in_progress`` job back in the queue, leases or not: only for a store one server owns (at its
+        start, before its workers run). A cancel asked of one makes it ``cancelled`` instead. Returns how many."""
+        if self.shared:
+            raise RuntimeError("requeue_interrupted would take running jobs from other machines of the fleet; a "
+                               "shared store requeues expired leases only (requeue_expired)")
         rows = self._write("UPDATE jobs SET status = CASE cancel_requested WHEN 1 THEN 'cancelled' ELSE 'queued' "
-                           "END, progress = 0, worker = NULL WHERE status = 'in_progress' RETURNING id")
+                           "END, progress = 0, worker = NULL, lease_expires_at = NULL WHERE status = 'in_progress' "
+                           "RETURNING id", notify=True)
+        return len(rows)
+
+    def requeue_expired(self) -> int:
+        """Requeue the running jobs whose lease ran out (their worker's machine died or lost the store); a job that
+        has had ``max_attempts`` claims fails instead, a cancelled one ends cancelled. Returns how many moved."""
+        rows = self._write(f"UPDATE jobs SET status = CASE WHEN cancel_requested = 1 THEN 'cancelled' "
+                           f"WHEN attempt >= ? THEN 'failed' ELSE 'queued' END, "
+                           f"error = CASE WHEN cancel_requested = 0 AND attempt >= ? THEN ? ELSE error END, "
+                           f"progress = 0, lease_expires_at = NULL WHERE status = 'in_progress' "
+                           f"AND lease_expires_at < {self.NOW} RETURNING id",
+                           (self.max_attempts, self.max_attempts,
+                            f"gave up after {self.max_attempts} attempts: the worker's lease expired each time"),
+                           notify=True)
         return len(rows)
 
     def counts(self) -> dict[JobStatus, int]:
@@ -180,14 +202,15 @@ class JobStore:
         return [r[0] for r in rows]
 
     def set_meta(self, key: str, value: Any) -> None:
-        self._write("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, json.dumps(value)))
+        self._write("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = "
+                    "excluded.value", (key, json.dumps(value)))
 
     def delete_meta(self, key: str) -> None:
-        """Forget one reported value (a worker's ``ready:{index}`` when it died)."""
+        """Forget one reported value (a worker's ``ready:...`` when it died)."""
         self._write("DELETE FROM meta WHERE key = ?", (key,))
 
     def clear_meta(self) -> None:
-        """Forget what workers reported (at start-up: the model may have changed since)."""
+        """Forget what workers reported (at a single server's start: the model may have changed since)."""
         self._write("DELETE FROM meta")
 
     def get_meta(self, key: str) -> Any:
@@ -195,38 +218,55 @@ class JobStore:
         return json.loads(rows[0][0]) if rows else None
 
     # -- the workers' side ------------------------------------------------------------------------------------
-    def claim(self, worker: int) -> Job | None:
-        """Take the oldest queued job (atomically: no two workers get the same one), or None."""
-        rows = self._write(f"UPDATE jobs SET status = 'in_progress', attempt = attempt + 1, worker = ?, progress = 0 "
-                           f"WHERE id = (SELECT id FROM jobs WHERE status = 'queued' ORDER BY seq LIMIT 1) "
-                           f"RETURNING {_COLUMNS}", (worker,))
+    def claim(self, worker: int, owner: str | None = None) -> Job | None:
+        """Requeue expired leases, then take the oldest queued job under a fresh lease (atomically: no two workers
+        get the same one), or None. ``owner``: the claiming worker's name (default ``"local/<worker>"``)."""
+        self.requeue_expired()
+        rows = self._write(f"UPDATE jobs SET status = 'in_progress', attempt = attempt + 1, worker = ?, owner = ?, "
+                           f"progress = 0, lease_expires_at = {self.NOW} + ? "
+                           f"WHERE id = (SELECT id FROM jobs WHERE status = 'queued' ORDER BY seq LIMIT 1"
+                           f"{self.CLAIM_LOCK}) AND status = 'queued' RETURNING {_COLUMNS}",
+                           (worker, owner or f"local/{worker}", self.lease_s))
         return _job(rows[0]) if rows else None
 
-    def _end(self, job: Job, sets: str, args: tuple, extra: str = "") -> bool:
-        rows = self._write(f"UPDATE jobs SET {sets} WHERE id = ? AND status = 'in_progress' AND attempt = ? {extra}"
-                           f"RETURNING id", (*args, job.id, job.attempt))
+    def renew(self, job: Job) -> bool:
+        """The heartbeat: extend ``job``'s lease by ``lease_s``. False: the job is no longer this attempt's."""
+        rows = self._write(f"UPDATE jobs SET lease_expires_at = {self.NOW} + ? WHERE {_HELD} "
+                           f"RETURNING id", (self.lease_s, job.id, job.attempt))
         return bool(rows)
 
     def set_progress(self, job: Job, percent: int) -> bool:
-        """Record progress; returns False when the job should stop (cancel asked, or no longer this attempt's)."""
-        rows = self._write("UPDATE jobs SET progress = ? WHERE id = ? AND status = 'in_progress' AND attempt = ? "
-                           "RETURNING cancel_requested", (int(percent), job.id, job.attempt))
+        """Record progress (and renew the lease); False when the job should stop (cancel asked, or no longer this
+        attempt's)."""
+        rows = self._write(f"UPDATE jobs SET progress = ?, lease_expires_at = {self.NOW} + ? "
+                           f"WHERE {_HELD} RETURNING cancel_requested",
+                           (int(percent), self.lease_s, job.id, job.attempt))
         return bool(rows) and not rows[0][0]
+
+    def _end(self, job: Job, status: JobStatus, sets: str, args: tuple, extra: str = "") -> bool:
+        rows = self._write(f"UPDATE jobs SET status = '{status.value}', lease_expires_at = NULL, {sets} "
+                           f"WHERE {_HELD} {extra}RETURNING id", (*args, job.id, job.attempt))
+        if rows:
+            return True
+        now = self.get(job.id)  # a retried commit whose first answer was lost already did it
+        return now is not None and now.status is status and now.attempt == job.attempt and now.owner == job.owner
 
     def complete(self, job: Job, seconds: float) -> bool:
         """Mark the job completed (its clip is already in place) and count the render. False: a cancel came
         after the last step (see :meth:`mark_cancelled`), or the job is not this attempt's any more."""
-        return self._end(job, "status = 'completed', progress = 100, renders = renders + 1, render_seconds = ?, "
-                              "completed_at = ?", (seconds, int(time.time())), "AND cancel_requested = 0 ")
+        return self._end(job, JobStatus.COMPLETED, "progress = 100, renders = renders + 1, render_seconds = ?, "
+                                                   "completed_at = ?", (seconds, int(time.time())),
+                         "AND cancel_requested = 0 ")
 
     def fail(self, job: Job, error: str) -> bool:
-        return self._end(job, "status = 'failed', error = ?, completed_at = ?", (error, int(time.time())))
+        return self._end(job, JobStatus.FAILED, "error = ?, completed_at = ?", (error, int(time.time())))
 
-    def fail_running_of(self, worker: int, error: str) -> int:
-        """Fail the job ``worker`` was running (the worker process died under it); returns how many."""
-        rows = self._write("UPDATE jobs SET status = 'failed', error = ?, completed_at = ? WHERE status = "
-                           "'in_progress' AND worker = ? RETURNING id", (error, int(time.time()), worker))
+    def fail_running_of(self, owner: str, error: str) -> int:
+        """Fail the job the worker ``owner`` was running (its process died under it); returns how many."""
+        rows = self._write("UPDATE jobs SET status = 'failed', error = ?, completed_at = ?, lease_expires_at = NULL "
+                           "WHERE status = 'in_progress' AND owner = ? RETURNING id",
+                           (error, int(time.time()), owner))
         return len(rows)
 
     def mark_cancelled(self, job: Job) -> bool:
-        return self._end(job, "status = 'cancelled', completed_at = ?", (int(time.time()),))
+        return self._end(job, JobStatus.CANCELLED, "completed_at = ?", (int(time.time()),))

@@ -1,30 +1,33 @@
-"""The video side of the server: the data folder, its job store, the worker processes and their supervision.
+"""The video side of the server: the job store, the clips folder, the worker processes and the request checks.
 
     service = VideoService.start(VideoServeConfig(data_dir="data", limits=DemoLimits(), num_workers=2))
     service.submit(body)          # -> Job (checked, queued)
     service.close()               # stop the workers (jobs left running are re-run by the next start)
 
-At start the folder is made consistent with a crash at any earlier moment: jobs left ``in_progress`` go back to
-the queue, half-written clips (the exporter's hidden temporaries) are removed; finished clips stay as they are.
+With the default store (SQLite in ``data_dir``) one server owns the folder, and at start makes it consistent with a
+crash at any earlier moment: jobs left ``in_progress`` go back to the queue, half-written clips (hidden
+temporaries) are removed; finished clips stay as they are. With a shared store (``job_store="postgresql://..."``)
+many servers share the queue and the clips folder: none may requeue another's running jobs, so a dead machine's
+jobs come back when their leases expire (:meth:`~.jobs.JobStore.requeue_expired`).
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
-import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from metainfer_gen.serve.video.jobs import STORE_NAME, Job, JobStore
+from metainfer_gen.serve.video.jobs import DEFAULT_LEASE_S, DEFAULT_MAX_ATTEMPTS, Job
 from metainfer_gen.serve.video.request import RequestChecks, VideoRequest, parse_video_request
-from metainfer_gen.serve.video.worker import CLIPS, UPLOADS, WorkerSpec, worker_main
+from metainfer_gen.serve.video.sqlite_store import STORE_NAME
+from metainfer_gen.serve.video.stores import open_job_store, store_scheme
+from metainfer_gen.serve.video.worker import CLIPS, UPLOADS, WorkerSpec
+from metainfer_gen.serve.video.worker_pool import WorkerPool, node_name, usable_cores
 
 DEFAULT_MAX_UPLOAD_BYTES = 20 << 20  # the demo's max_upload_mb
-_MAX_RESTARTS = 3  # per worker: a worker that keeps dying is left dead (/health then says so)
-_SUPERVISE_S = 0.5
 
 
 @dataclass(slots=True)
@@ -32,10 +35,15 @@ class VideoServeConfig:
     """How to serve video.
 
     Args:
-        data_dir: folder of the job store, clips and uploads (created when missing).
+        data_dir: folder of the local job store (SQLite), clips and uploads (created when missing).
         limits: the request bounds (``apps.demo_limits.DemoLimits`` or an object with its ``check_*`` methods).
         model: pipeline folder or hub id; None: the embedded model.
-        num_workers: worker processes (one per GPU; on the CPU the cores are split between them).
+        num_workers: worker processes (one per GPU; on the CPU the cores are split between them); 0: an API-only
+            node (the fleet's workers run elsewhere).
+        job_store: None (SQLite in ``data_dir``) or a store address, e.g. ``postgresql://user@host/db`` (shared).
+        clips_dir: where clips and uploads live (default ``data_dir/clips`` and ``data_dir/uploads``); with a
+            shared store, a folder every machine mounts (required then).
+        lease_s / max_attempts: a claim's lease (seconds) and the claims a job may take.
         num_threads: CPU threads per worker; None: the usable cores divided by ``num_workers`` (at least 1).
         device / dtype: the workers' (None: CUDA GPU ``i`` for worker ``i`` when available, else the CPU).
         served_model_name: the ``model`` name of the video API (default the folder's name).
@@ -43,7 +51,8 @@ class VideoServeConfig:
         max_upload_bytes: largest multipart body (the reference image with the fields).
         cache_names: the ``cache`` policies requests may name (default: ``off`` and every step-cache policy).
     Raises:
-        ValueError: ``num_workers`` or ``num_threads`` < 1, or no limits.
+        ValueError: ``num_workers`` < 0, ``num_threads`` < 1, no limits, an unknown store scheme, or a shared store
+            without ``clips_dir``.
     """
 
     data_dir: str | Path
@@ -57,11 +66,17 @@ class VideoServeConfig:
     lora: Callable[[str, float], tuple[str, float]] | None = None
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
     cache_names: tuple[str, ...] = field(default_factory=tuple)
+    job_store: str | None = None
+    clips_dir: str | Path | None = None
+    lease_s: float = DEFAULT_LEASE_S
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
 
     def __post_init__(self) -> None:
-        if self.num_workers < 1 or (self.num_threads is not None and self.num_threads < 1):
-            raise ValueError(f"num_workers and num_threads must be >= 1; got {self.num_workers}, "
+        if self.num_workers < 0 or (self.num_threads is not None and self.num_threads < 1):
+            raise ValueError(f"num_workers must be >= 0 and num_threads >= 1; got {self.num_workers}, "
                              f"{self.num_threads}")
+        if self.job_store is not None and store_scheme(self.job_store) != "sqlite" and self.clips_dir is None:
+            raise ValueError("a shared job store needs a clips folder every machine mounts: give --clips-dir")
         if self.limits is None:
             raise ValueError("limits are required (e.g. metainfer_gen.apps.demo_limits.DemoLimits())")
         if self.max_upload_bytes < 1:
@@ -102,80 +117,64 @@ def lock_data_dir(path: Path):
 
 
 class VideoService:
-    """The store, the workers and the request checks of one data folder (one server at a time per folder, held by
-    :func:`lock_data_dir`)."""
+    """The store, the workers and the request checks of one server. With the default SQLite store one server at a
+    time holds the data folder (:func:`lock_data_dir`); a shared store takes any number."""
 
     def __init__(self, config: VideoServeConfig):
         from metainfer_gen.video.cache.policies import policy_names
 
         self.config = config
         self.data_dir = Path(config.data_dir).resolve()
-        for sub in ("", CLIPS, UPLOADS):
-            (self.data_dir / sub).mkdir(parents=True, exist_ok=True)
-        self._lock = lock_data_dir(self.data_dir)  # before the re-queue below touches another server's jobs
-        self.store = JobStore(self.data_dir / STORE_NAME)
-        self.num_requeued = self.store.requeue_interrupted()
-        self.store.clear_meta()
-        for stale in (self.data_dir / CLIPS).glob(".*"):  # the exporter's temporaries of a killed render
-            stale.unlink(missing_ok=True)
+        self.clips_dir = Path(config.clips_dir).resolve() if config.clips_dir is not None else self.data_dir / CLIPS
+        self.uploads_dir = self.clips_dir / UPLOADS if config.clips_dir is not None else self.data_dir / UPLOADS
+        for folder in (self.data_dir, self.clips_dir, self.uploads_dir):
+            folder.mkdir(parents=True, exist_ok=True)
+        self.store_address = config.job_store or str(self.data_dir / STORE_NAME)
+        self.shared = store_scheme(self.store_address) != "sqlite"
+        # one server per local store: taken before the re-queue below touches another server's jobs
+        self._lock = None if self.shared else lock_data_dir(self.data_dir)
+        self.store = open_job_store(self.store_address, config.lease_s, config.max_attempts)
+        self.node = node_name()
+        self.num_requeued = 0
+        if not self.shared:
+            self.num_requeued = self.store.requeue_interrupted()
+            self.store.clear_meta()
+            for stale in self.clips_dir.glob(".*"):  # the exporter's temporaries of a killed render
+                stale.unlink(missing_ok=True)
         name, rules, defaults = _model_facts(config.model)
         self.model_name = config.served_model_name or name
         self.checks = RequestChecks(config.limits, rules, defaults, self.model_name,
                                     config.cache_names or ("off", *policy_names()), config.lora)
-        self._stop = None
         self._reported_defaults = False
-        self._workers: list = []
-        self._restarts = [0] * config.num_workers
-        self._supervisor: threading.Thread | None = None
-        self._closing = threading.Event()
+        self.pool = WorkerPool(self.worker_spec, config.num_workers, self.store)
+        self._closed = False
 
     @classmethod
     def start(cls, config: VideoServeConfig) -> "VideoService":
-        """Open the folder and start the workers (they load the model in the background)."""
-        import multiprocessing
-
+        """Open the store and start the workers (they load the model in the background)."""
         service = cls(config)
-        context = multiprocessing.get_context("spawn")
-        service._stop = context.Event()
-        service._context = context
-        service._workers = [service._spawn(i) for i in range(config.num_workers)]
-        service._supervisor = threading.Thread(target=service._supervise, name="video-supervisor", daemon=True)
-        service._supervisor.start()
+        service.pool.start()
         return service
 
-    def _spawn(self, index: int):
+    def worker_spec(self, index: int) -> WorkerSpec:
+        """The spec of this server's worker ``index``."""
         config = self.config
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = config.num_threads or max(1, cores // config.num_workers)
-        spec = WorkerSpec(index, str(self.data_dir), None if config.model is None else str(config.model),
-                          config.device, config.dtype, threads, os.getpid())
-        process = self._context.Process(target=worker_main, args=(spec, self._stop), name=f"video-worker-{index}",
-                                        daemon=True)
-        process.start()
-        return process
-
-    def _supervise(self) -> None:
-        """Restart a worker that died (its running job is recorded as failed); bounded per worker."""
-        while not self._closing.wait(_SUPERVISE_S):
-            for index, process in enumerate(self._workers):
-                if process.is_alive() or process.exitcode is None or self._closing.is_set():
-                    continue
-                self.store.fail_running_of(index, f"the worker process exited with code {process.exitcode}")
-                self.store.delete_meta(f"ready:{index}")  # not ready until the replacement has loaded the model
-                if self._restarts[index] < _MAX_RESTARTS:
-                    self._restarts[index] += 1
-                    self._workers[index] = self._spawn(index)
+        threads = config.num_threads or max(1, usable_cores() // max(1, config.num_workers))
+        return WorkerSpec(index, self.store_address, str(self.clips_dir), str(self.uploads_dir),
+                          f"{self.node}/{index}", None if config.model is None else str(config.model),
+                          config.device, config.dtype, threads, os.getpid(), config.lease_s, config.max_attempts)
 
     @property
     def ready(self) -> bool:
-        """True once a worker has loaded the model (its rules and call defaults are then known)."""
+        """True once a worker (of this server, or of the fleet) has loaded the model: its rules and call defaults
+        are then known."""
         _ = self.rules
         return self._reported_defaults
 
     @property
     def num_ready_workers(self) -> int:
         """Workers of this start that have loaded the model."""
-        return sum(self.store.get_meta(f"ready:{i}") is not None for i in range(self.config.num_workers))
+        return self.pool.num_ready
 
     def wait_ready(self, timeout_s: float = 300.0, all_workers: bool = False) -> None:
         """Block until :attr:`ready` (``all_workers``: until every worker has loaded the model). Raises
@@ -186,13 +185,13 @@ class VideoService:
         while not self.ready or (all_workers and self.num_ready_workers < self.config.num_workers):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no video worker loaded the model within {timeout_s} s")
-            if self._workers and not any(p.is_alive() or p.exitcode is None for p in self._workers):
+            if self.pool.all_exited:
                 raise RuntimeError("every video worker exited before loading the model")
             time.sleep(0.05)
 
     @property
     def num_alive_workers(self) -> int:
-        return sum(p.is_alive() for p in self._workers)
+        return self.pool.num_alive
 
     @property
     def rules(self):
@@ -223,34 +222,27 @@ class VideoService:
         job_id = f"video_{uuid.uuid4()}"
         request = parse_video_request(body, self.checks, image=f"{job_id}.png" if image_bytes is not None else None)
         if image_bytes is not None:
-            store_image(image_bytes, self.data_dir / UPLOADS / request.image, self.config.limits)
+            store_image(image_bytes, self.uploads_dir / request.image, self.config.limits)
         return self.store.add(job_id, request.to_dict())
 
     def clip_path(self, job: Job) -> Path:
-        return self.data_dir / CLIPS / f"{job.id}.mp4"
+        return self.clips_dir / f"{job.id}.mp4"
 
     def remove_files(self, job: Job) -> None:
         """Delete a job's clip and uploaded image (a finished job being deleted)."""
         self.clip_path(job).unlink(missing_ok=True)
         image = VideoRequest.from_dict(job.request).image
         if image:
-            (self.data_dir / UPLOADS / image).unlink(missing_ok=True)
+            (self.uploads_dir / image).unlink(missing_ok=True)
 
     def close(self, timeout_s: float = 3.0) -> None:
         """Stop the workers and close the store; idempotent. A running job stops at its next step and stays
-        ``in_progress`` (the next start re-runs it); a worker still loading its model after ``timeout_s`` seconds
-        is killed (it holds no job)."""
-        self._closing.set()
-        if self._supervisor is not None:  # first: a restart it is making lands in the list stopped below
-            self._supervisor.join(timeout_s)
-            self._supervisor = None
-        if self._stop is not None:
-            self._stop.set()
-        for process in self._workers:
-            process.join(timeout_s)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout_s)
-        self._workers = []
+        ``in_progress`` (the next start, or the lease's expiry, re-runs it); a worker still loading its model
+        after ``timeout_s`` seconds is killed (it holds no job)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.pool.close(timeout_s)
         self.store.close()
-        self._lock.close()
+        if self._lock is not None:
+            self._lock.close()

@@ -1,11 +1,15 @@
 """One video worker process: load the model once, then take jobs from the store until told to stop.
 
-The server starts :func:`worker_main` in fresh (``spawn``) processes, one per GPU, or on the CPU with the cores
-split between them. Each job runs with a diffusers ``callback_on_step_end`` that records the progress and reads
-the job's cancel flag in the same SQLite statement; a cancel (or the server's death) stops the job at the next
-denoising step. A job that raises records its error and the worker takes the next one. The clip is written by
-the project's exporter (H.264 yuv420p, temporary file renamed into place) before the job is marked completed,
-so a completed job always has its whole clip and a kill in between only re-runs the job.
+A server (or ``metainfer-gen video-worker``) starts :func:`worker_main` in fresh (``spawn``) processes, one per
+GPU, or on the CPU with the cores split between them. A claimed job is held under a lease that a heartbeat thread
+renews every third of the lease; each denoising step's ``callback_on_step_end`` records the progress and reads the
+job's cancel flag in one statement, so a cancel sent to any server of the fleet (or the loss of the lease) stops
+the job at the next step. A job that raises records its error and the worker takes the next one.
+
+The clip is written under a hidden per-attempt name in the shared clips folder (temporary, fsync, rename), then,
+only after a renewal proves the lease still ours, renamed to ``<id>.mp4`` and the job marked completed: a renewal
+keeps every other worker from claiming the job for a whole lease, so a worker whose lease was taken over never
+writes the clip, and a kill at any moment only re-runs the job.
 """
 
 from __future__ import annotations
@@ -13,14 +17,16 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from metainfer_gen.serve.video.jobs import STORE_NAME, Job, JobStore
+from metainfer_gen.serve.video.jobs import DEFAULT_LEASE_S, DEFAULT_MAX_ATTEMPTS, Job
 from metainfer_gen.serve.video.request import VideoRequest
+from metainfer_gen.serve.video.stores import open_job_store
 
-POLL_S = 0.05  # an idle worker looks for a job this often (one indexed SELECT)
+IDLE_WAKE_S = 1.0  # an idle worker wakes at least this often (stop flag, expired leases) between wake-ups
 CLIPS = "clips"
 UPLOADS = "uploads"
 
@@ -30,24 +36,37 @@ class WorkerSpec:
     """What a worker process needs (picklable: it crosses to a spawned process).
 
     Attributes:
-        index: the worker's number (0-based; the ``worker`` column of its jobs). data_dir: the store's folder.
+        index: the worker's number on its machine (0-based; the ``worker`` column of its jobs).
+        store: the job store's address (a SQLite path or a ``postgresql://`` URL).
+        clips_dir / uploads_dir: where clips go and reference images are read (shared storage in a fleet).
+        owner: the worker's fleet-wide name, ``"<node>/<index>"`` (the ``owner`` column of its jobs).
         model: pipeline folder or hub id (None: the embedded model). device: "cpu", "cuda", "cuda:N" or None
             (GPU ``index`` of the visible ones when CUDA is available, else the CPU). dtype: torch dtype name or
             None (the pipeline's default). num_threads: CPU threads of this process (None: torch's default).
-        parent_pid: the server's pid; the worker exits when its parent is gone.
+        parent_pid: the starting process's pid; the worker exits when its parent is gone.
+        lease_s / max_attempts: the store's lease length (seconds) and attempt cap.
     """
 
     index: int
-    data_dir: str
+    store: str
+    clips_dir: str
+    uploads_dir: str
+    owner: str
     model: str | None = None
     device: str | None = None
     dtype: str | None = None
     num_threads: int | None = None
     parent_pid: int = 0
+    lease_s: float = DEFAULT_LEASE_S
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
 
 
 class JobStopped(Exception):
     """Raised from the step callback: the job was cancelled."""
+
+
+class LeaseLost(Exception):
+    """Raised from the step callback: another worker took the job over (this one's lease expired)."""
 
 
 class WorkerStopping(Exception):
@@ -75,9 +94,10 @@ def worker_main(spec: WorkerSpec, stop) -> None:
         os.environ["OMP_NUM_THREADS"] = str(spec.num_threads)
     worker = VideoWorker(spec, stop)
     try:
+        worker.store.listen()  # before the first claim: a job queued in between still wakes this worker
         while not stop.is_set() and os.getppid() == spec.parent_pid:
             if not worker.run_one():
-                time.sleep(POLL_S)
+                worker.store.wait_for_work(IDLE_WAKE_S)
     finally:
         worker.store.close()
 
@@ -95,8 +115,8 @@ class VideoWorker:
             torch.set_num_threads(spec.num_threads)
         self.spec = spec
         self.stop = stop
-        self.data_dir = Path(spec.data_dir)
-        self.store = JobStore(self.data_dir / STORE_NAME)
+        self.clips_dir, self.uploads_dir = Path(spec.clips_dir), Path(spec.uploads_dir)
+        self.store = open_job_store(spec.store, spec.lease_s, spec.max_attempts)
         device = spec.device
         if device is None and torch.cuda.is_available():
             device = f"cuda:{spec.index % torch.cuda.device_count()}"
@@ -119,31 +139,48 @@ class VideoWorker:
         names = ("num_frames", "height", "width", "num_inference_steps", "guidance_scale")
         defaults = {name: self.t2v.default(name) for name in names}
         self.store.set_meta("defaults", {k: v for k, v in defaults.items() if isinstance(v, (int, float))})
-        self.store.set_meta(f"ready:{spec.index}", os.getpid())
+        self.store.set_meta(f"ready:{spec.owner}", os.getpid())
         self._cache = "off"
 
     def run_one(self) -> bool:
         """Claim and run one job; False when the queue was empty."""
-        job = self.store.claim(self.spec.index)
+        job = self.store.claim(self.spec.index, self.spec.owner)
         if job is None:
             return False
         started = time.perf_counter()
+        beat = _Heartbeat(self.store, job)
         try:
-            path = self.render(job)
+            staged = self.render(job, beat)
         except JobStopped:
             self.store.mark_cancelled(job)
-        except WorkerStopping:
-            pass
+        except (WorkerStopping, LeaseLost):
+            pass  # the job is someone else's now, or the next start's: nothing more is written
         except Exception as exc:  # noqa: BLE001 - a failing job is recorded; the worker takes the next one
             self.store.fail(job, f"{type(exc).__name__}: {exc}")
         else:
-            if not self.store.complete(job, time.perf_counter() - started):
-                if self.store.mark_cancelled(job):  # cancelled after its last step: the clip goes too
-                    path.unlink(missing_ok=True)
+            self._publish(job, staged, time.perf_counter() - started)
+        finally:
+            beat.stop()
         return True
 
-    def render(self, job: Job) -> Path:
-        """Render ``job``'s clip into ``clips/<id>.mp4``. Raises JobStopped when cancelled mid-way."""
+    def _publish(self, job: Job, staged: Path, seconds: float) -> None:
+        """Rename the staged clip into place and complete the job, only while this attempt still holds it."""
+        from metainfer_gen.video.export import durable_replace
+
+        if not self.store.renew(job):  # taken over: the new holder writes the clip
+            staged.unlink(missing_ok=True)
+            return
+        final = self.clips_dir / f"{job.id}.mp4"
+        durable_replace(staged, final)
+        if not self.store.complete(job, seconds):
+            if self.store.mark_cancelled(job):  # cancelled after its last step: the clip goes too
+                final.unlink(missing_ok=True)
+        for stale in self.clips_dir.glob(f".{job.id}.*"):  # temporaries of killed attempts of this job
+            stale.unlink(missing_ok=True)
+
+    def render(self, job: Job, beat: "_Heartbeat | None" = None) -> Path:
+        """Render ``job``'s clip into the hidden ``.<id>.a<attempt>.mp4`` of the clips folder (see
+        :meth:`_publish`). Raises JobStopped when cancelled mid-way, LeaseLost when taken over."""
         from PIL import Image
 
         request = VideoRequest.from_dict(job.request)
@@ -160,21 +197,25 @@ class VideoWorker:
         def on_step_end(_pipe, index, _timestep, callback_kwargs):
             percent = min(99, (index + 1) * 100 // steps)
             if parent and os.getppid() != parent:
-                os._exit(1)  # the server is gone: the next one re-runs this job
+                os._exit(1)  # the server is gone: the job's lease runs out and another worker re-runs it
             if self.stop is not None and self.stop.is_set():
                 raise WorkerStopping(job.id)
+            if beat is not None and beat.lost.is_set():
+                raise LeaseLost(job.id)
             if not self.store.set_progress(job, percent):
-                raise JobStopped(job.id)
+                if self.store.renew(job):
+                    raise JobStopped(job.id)  # still ours: a cancel was asked
+                raise LeaseLost(job.id)
             return callback_kwargs
 
         args = (request.prompt,)
         if request.image:
-            with Image.open(self.data_dir / UPLOADS / request.image) as image:
+            with Image.open(self.uploads_dir / request.image) as image:
                 args = (image.convert("RGB"), request.prompt)
         output = pipe(*args, negative_prompt=request.negative_prompt, num_frames=request.num_frames,
                       height=request.height, width=request.width, num_inference_steps=steps,
                       guidance_scale=request.guidance_scale, seed=request.seed, callback_on_step_end=on_step_end)
-        return output.save(self.data_dir / CLIPS / f"{job.id}.mp4", fps=request.fps)
+        return output.save(self.clips_dir / f".{job.id}.a{job.attempt}.mp4", fps=request.fps)
 
     def _use_cache(self, spec: str) -> None:
         if spec != self._cache:
@@ -185,3 +226,29 @@ class VideoWorker:
             if self.i2v is not None:
                 self.i2v.step_cache = self.t2v.step_cache  # same transformer: the hooks are shared
             self._cache = spec
+
+
+class _Heartbeat:
+    """A thread renewing ``job``'s lease every third of the lease until :meth:`stop`; sets ``lost`` when a renewal
+    finds the job no longer this attempt's (or the store unreachable past its retries)."""
+
+    def __init__(self, store, job: Job):
+        self.store, self.job = store, job
+        self.lost = threading.Event()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{job.id}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.store.lease_s / 3):
+            try:
+                held = self.store.renew(self.job)
+            except Exception:  # noqa: BLE001 - an unreachable store: the lease may lapse; stop rendering for it
+                held = False
+            if not held:
+                self.lost.set()
+                return
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(self.store.lease_s)

@@ -1,0 +1,114 @@
+"""The worker processes of one machine and their supervision, shared by ``serve`` (API and workers) and
+``video-worker`` (workers only).
+
+    pool = WorkerPool(make_spec, num_workers=2, store=store).start()
+    pool.num_ready        # workers that loaded the model
+    pool.close()          # stop them (a job left running is re-run after its lease expires, or at the next start)
+
+A worker that dies is restarted (at most :data:`MAX_RESTARTS` times); the job it was running is recorded as
+failed, found by the worker's fleet-wide ``owner`` name so that no other machine's job is touched.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from typing import Callable
+
+from metainfer_gen.serve.video.worker import WorkerSpec, worker_main
+
+MAX_RESTARTS = 3  # per worker: a worker that keeps dying is left dead (/health then says so)
+_SUPERVISE_S = 0.5
+
+
+def node_name() -> str:
+    """This process's name in the fleet: host name and pid (hosts made as network namespaces share a host name)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class WorkerPool:
+    """``num_workers`` processes running :func:`~.worker.worker_main`.
+
+    Args:
+        make_spec: the :class:`~.worker.WorkerSpec` of worker ``i``.
+        num_workers: how many (0: none; the pool is then empty and idle).
+        store: this process's job store (to fail a dead worker's job and forget its readiness).
+    """
+
+    def __init__(self, make_spec: Callable[[int], WorkerSpec], num_workers: int, store):
+        self.make_spec, self.num_workers, self.store = make_spec, num_workers, store
+        self._restarts = [0] * num_workers
+        self._processes: list = []
+        self._closing = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self._stop = self._context = None
+
+    def start(self) -> "WorkerPool":
+        """Spawn the workers (they load the model in the background) and the supervisor thread."""
+        import multiprocessing
+
+        self._context = multiprocessing.get_context("spawn")
+        self._stop = self._context.Event()
+        self._processes = [self._spawn(i) for i in range(self.num_workers)]
+        self._supervisor = threading.Thread(target=self._supervise, name="video-supervisor", daemon=True)
+        self._supervisor.start()
+        return self
+
+    def _spawn(self, index: int):
+        spec = self.make_spec(index)
+        process = self._context.Process(target=worker_main, args=(spec, self._stop), name=f"video-worker-{index}",
+                                        daemon=True)
+        process.start()
+        return process
+
+    def _supervise(self) -> None:
+        while not self._closing.wait(_SUPERVISE_S):
+            for index, process in enumerate(self._processes):
+                if process.is_alive() or process.exitcode is None or self._closing.is_set():
+                    continue
+                owner = self.make_spec(index).owner
+                self.store.fail_running_of(owner, f"the worker process exited with code {process.exitcode}")
+                self.store.delete_meta(f"ready:{owner}")  # not ready until the replacement has loaded the model
+                if self._restarts[index] < MAX_RESTARTS:
+                    self._restarts[index] += 1
+                    self._processes[index] = self._spawn(index)
+
+    def process(self, index: int):
+        """Worker ``index``'s current process (a replacement once the supervisor restarted it)."""
+        return self._processes[index]
+
+    @property
+    def num_alive(self) -> int:
+        return sum(p.is_alive() for p in self._processes)
+
+    @property
+    def all_exited(self) -> bool:
+        """True when workers were started and every one has exited."""
+        return bool(self._processes) and not any(p.is_alive() or p.exitcode is None for p in self._processes)
+
+    @property
+    def num_ready(self) -> int:
+        """Workers of this start that have loaded the model."""
+        return sum(self.store.get_meta(f"ready:{self.make_spec(i).owner}") is not None
+                   for i in range(self.num_workers))
+
+    def close(self, timeout_s: float = 3.0) -> None:
+        """Stop the workers; idempotent. A running job stops at its next step (its lease then lapses); a worker
+        still loading its model after ``timeout_s`` seconds is killed (it holds no job)."""
+        self._closing.set()
+        if self._supervisor is not None:  # first: a restart it is making lands in the list stopped below
+            self._supervisor.join(timeout_s)
+            self._supervisor = None
+        if self._stop is not None:
+            self._stop.set()
+        for process in self._processes:
+            process.join(timeout_s)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout_s)
+        self._processes = []
