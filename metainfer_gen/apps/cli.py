@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from metainfer_gen import __version__
 from metainfer_gen.apps.arg_types import finite_fps, positive_int
+from metainfer_gen.apps.fleet_args import add_job_store_arguments
 from metainfer_gen.apps.video_args import add_video_model_arguments, apply_model_options, load_options
 
 
@@ -75,6 +76,7 @@ def _add_render_parser(subparsers) -> None:
                    help="under torchrun: split each clip's video tokens over N ranks (Ulysses attention); with "
                         "--cfg-parallel a clip takes 2 x N ranks; with --prompts the groups split the file")
     p.add_argument("--audit", action="store_true", help="print which kernel paths ran and why faster ones were refused")
+    add_job_store_arguments(p, role="render")
     p.set_defaults(func=cmd_render)
 
 
@@ -177,6 +179,12 @@ def _render(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompts is None):
         raise ValueError("give either a PROMPT or --prompts FILE (exactly one)")
     loras = [parse_lora_spec(spec) for spec in args.lora]  # a missing file fails here, before any loading
+    if args.job_store is not None:  # the batch goes to a fleet's shared queue (apps/render_fleet.py)
+        from metainfer_gen.apps.render_fleet import run_fleet_render
+
+        if args.prompts is None:
+            raise ValueError("--job-store renders a batch through the fleet: give --prompts FILE")
+        return run_fleet_render(args, parse_prompt_file(args.prompts, args.seed, _call_args(args), loras=loras))
     ranks = _start_ranks(args)
     main_rank = ranks is None or ranks.is_main
     get_pipeline = _pipeline_factory(args)

@@ -1,5 +1,6 @@
-"""The job-store flags shared by ``serve`` and ``video-worker``: where the queue is (``--job-store``), where clips
-go (``--clips-dir``), and how long a claim holds without a heartbeat (``--lease-seconds``, ``--max-attempts``)."""
+"""The job-store flags shared by ``serve``, ``video-worker`` and ``render``: where the queue is (``--job-store``),
+where clips go (``--clips-dir``), and, for the processes that claim jobs, how long a claim holds without a heartbeat
+(``--lease-seconds``, ``--max-attempts``)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,29 @@ from pathlib import Path
 
 from metainfer_gen.apps.arg_types import positive_float, positive_int
 
+_STORE_HELP = {
+    "serve": "; default: SQLite in --data-dir",
+    "video-worker": "",
+    "render": "; with --prompts, the batch is queued there and rendered by the fleet's workers",
+}
+_CLIPS_HELP = {"serve": " (default: inside --data-dir)", "video-worker": "",
+               "render": " (where this command collects them from)"}
 
-def add_job_store_arguments(p: argparse.ArgumentParser, required: bool = False) -> None:
-    """Add the store flags to ``p`` (``required``: ``--job-store`` and ``--clips-dir`` must be given)."""
+
+def add_job_store_arguments(p: argparse.ArgumentParser, role: str = "serve") -> None:
+    """Add the store flags to ``p`` for ``role`` ("serve", "video-worker": both flags required, or "render": no
+    lease flags)."""
     from metainfer_gen.serve.video.jobs import DEFAULT_LEASE_S, DEFAULT_MAX_ATTEMPTS
 
+    required = role == "video-worker"
     p.add_argument("--job-store", required=required, default=None,
                    help="the video job queue: postgresql://user@host:port/dbname, shared by every machine of a "
-                        "fleet (needs the fleet extra), or a SQLite file (one machine)"
-                        + ("" if required else "; default: SQLite in --data-dir"))
+                        "fleet (needs the fleet extra), or a SQLite file (one machine)" + _STORE_HELP[role])
     p.add_argument("--clips-dir", type=Path, required=required, default=None,
                    help="folder of the clips and uploaded images; with a shared --job-store, a folder every machine "
-                        "mounts (NFS)" + ("" if required else " (default: inside --data-dir)"))
+                        "mounts (NFS)" + _CLIPS_HELP[role])
+    if role == "render":
+        return
     p.add_argument("--lease-seconds", type=positive_float, default=DEFAULT_LEASE_S,
                    help=f"how long a claimed job stays with a worker that stopped sending heartbeats before another "
                         f"machine takes it over (default {DEFAULT_LEASE_S:g})")

@@ -27,7 +27,7 @@ def add_video_worker_parser(subparsers) -> None:
                               description="Start worker processes that take jobs from --job-store and write clips "
                                           "to --clips-dir until stopped (SIGTERM, Ctrl-C). Pair with `serve "
                                           "--video-workers 0` nodes, or with ordinary `serve` nodes.")
-    add_job_store_arguments(p, required=True)
+    add_job_store_arguments(p, role="video-worker")
     p.add_argument("--workers", type=positive_int, default=1,
                    help="worker processes, each loading the model once: one per GPU; on the CPU the cores are "
                         "split between them (default 1)")

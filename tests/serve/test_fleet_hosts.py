@@ -2,8 +2,9 @@
 clips folder; each runs its own ``metainfer-gen serve`` with one video worker (``tests/serve/fleet_harness.py``).
 
 Shown: jobs submitted through both APIs complete exactly once and either host answers for every job; a cancel sent
-to one host stops the job the other renders; PostgreSQL restarted mid-run loses and repeats nothing; ``kill -9`` of
-the rendering host hands its job to the other host once the lease expires, and the killed attempt wrote nothing.
+to one host stops the job the other renders; PostgreSQL restarted mid-run loses and repeats nothing; a batch
+``render --job-store`` interrupted with Ctrl-C and rerun renders each line once; ``kill -9`` of the rendering host
+hands its job to the other host once the lease expires, and the killed attempt wrote nothing.
 """
 
 from __future__ import annotations
@@ -108,6 +109,55 @@ def test_postgresql_restarted_mid_run_loses_and_repeats_nothing(fleet, store, ap
     fleet.postgres.restart()  # fast shutdown: every connection of both hosts is cut
     assert [wait_for(apis[i % 2], v)["status"] for i, v in enumerate(ids)] == ["completed"] * 8
     assert [store.get(v).renders for v in ids] == [1] * 8
+
+
+def test_render_through_the_fleet_interrupted_and_rerun_renders_each_line_once(fleet, store, tiny_wan_dir,
+                                                                              tmp_path):
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from metainfer_gen.apps.render_fleet import ID_PREFIX
+    from tests.serve.fleet_harness import ROOT
+
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": f"batch line {i}", "num_frames": 5, "height": 32, "width": 32, "num_inference_steps": 8,
+              "guidance_scale": 1.0} for i in range(8)]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out, manifest = tmp_path / "out", tmp_path / "out" / "manifest.jsonl"
+    command = [sys.executable, "-m", "metainfer_gen.apps.cli", "render", "--prompts", str(prompts), "--out-dir",
+               str(out), "--model", str(tiny_wan_dir), "--job-store", fleet.store_url, "--clips-dir",
+               str(fleet.clips), "--seed", "100"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+
+    def ok_lines() -> int:
+        text = manifest.read_text() if manifest.exists() else ""
+        return sum(json.loads(line)["status"] == "ok" for line in text.splitlines() if line.strip())
+
+    first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(1200):  # bounded: 120 s at 0.1 s
+            if ok_lines() >= 2 or first.poll() is not None:
+                break
+            time.sleep(0.1)
+        first.send_signal(signal.SIGINT)  # Ctrl-C
+        _, err = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(10)
+    collected = ok_lines()
+    assert first.returncode == 130 and "stay queued" in err and 2 <= collected < 8, (first.returncode, err)
+    second = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-2000:]
+    summary = json.loads(second.stdout.strip().splitlines()[-1])
+    assert (summary["skipped"], summary["rendered"], summary["failed"]) == (collected, 8 - collected, 0)
+    records = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
+    assert [r["status"] for r in records] == ["ok"] * 8 and all((out / r["path"]).is_file() for r in records)
+    batch = [j for j in store.list(200) if j.id.startswith(ID_PREFIX)]
+    print(f"render interrupted after {collected} of 8 clips; the rerun collected {summary['rendered']}")
+    assert len(batch) == 8 and [j.renders for j in batch] == [1] * 8  # nothing submitted or rendered twice
 
 
 def test_kill_9_of_the_rendering_host_hands_its_job_over_after_the_lease(fleet, store, apis):

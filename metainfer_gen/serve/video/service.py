@@ -83,7 +83,7 @@ class VideoServeConfig:
             raise ValueError(f"max_upload_bytes must be >= 1; got {self.max_upload_bytes}")
 
 
-def _model_facts(model) -> tuple[str, Any, dict[str, Any]]:
+def model_facts(model) -> tuple[str, Any, dict[str, Any]]:
     """(name, rules or None, default settings) of a model folder, read without loading weights."""
     from metainfer_gen.pipelines.loading import default_model_path, model_settings
     from metainfer_gen.video.rules import VideoRules
@@ -141,7 +141,7 @@ class VideoService:
             self.store.clear_meta()
             for stale in self.clips_dir.glob(".*"):  # the exporter's temporaries of a killed render
                 stale.unlink(missing_ok=True)
-        name, rules, defaults = _model_facts(config.model)
+        name, rules, defaults = model_facts(config.model)
         self.model_name = config.served_model_name or name
         self.checks = RequestChecks(config.limits, rules, defaults, self.model_name,
                                     config.cache_names or ("off", *policy_names()), config.lora)
