@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tests.serve.netns import Hosts
 from tests.serve.postgres_cluster import PostgresCluster
-from tests.serve.processes import stop_process
+from tests.serve.processes import stop_process, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 8700  # every host has its own address, so all may use the same port
@@ -58,8 +58,6 @@ class Fleet:
 
     def start(self, i: int) -> None:
         """Start host ``i``'s server (returns once it answers /health)."""
-        import httpx
-
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
         command = [sys.executable, "-m", "metainfer_gen.apps.cli", "serve", "--llm", "none", "--video",
                    str(self.model), "--host", "0.0.0.0", "--port", str(PORT), "--job-store", self.host_store_url(i),
@@ -72,17 +70,7 @@ class Fleet:
         self.procs[i] = subprocess.Popen(self.hosts.command(i, command), cwd=ROOT, env=env, stdout=log,
                                          stderr=subprocess.STDOUT)
         log.close()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.procs[i].poll() is not None:
-                raise AssertionError(f"host {i} exited: {(self.folder / f'host{i}.log').read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url(i)}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise AssertionError(f"host {i} did not answer: {(self.folder / f'host{i}.log').read_text()[-3000:]}")
+        wait_healthy(self.url(i), self.procs[i], self.folder / f"host{i}.log", START_TIMEOUT_S)
 
     def wait_workers_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Until every started host's worker has loaded the model (its ``ready:`` key is in the store)."""
