@@ -83,7 +83,8 @@ def postgres():
 
     from tests.serve.postgres_cluster import ENV_URL, PostgresCluster, postgres_bindir
 
-    pytest.importorskip("psycopg", reason="the PostgreSQL tests need the fleet extra: pip install 'metainfer-gen[fleet]'")
+    pytest.importorskip("psycopg", reason="the PostgreSQL tests need the fleet extra: "
+                                          "pip install 'metainfer-gen[fleet]'")
     if os.environ.get(ENV_URL):
         yield _ExternalCluster(os.environ[ENV_URL])
         return

@@ -75,13 +75,14 @@ class Fleet:
     def wait_workers_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Until every started host's worker has loaded the model (its ``ready:`` key is in the store)."""
         from metainfer_gen.serve.video.stores import open_job_store
+        from metainfer_gen.serve.video.worker import ready_key
 
         store = open_job_store(self.store_url)
         try:
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
                 live = [p.pid for p in self.procs if p is not None and p.poll() is None]
-                if all(store.get_meta(f"ready:{socket.gethostname()}-{pid}/0") is not None for pid in live):
+                if all(store.get_meta(ready_key(f"{socket.gethostname()}-{pid}/0")) is not None for pid in live):
                     return
                 time.sleep(0.3)
         finally:

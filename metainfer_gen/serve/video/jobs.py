@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-SCHEMA_VERSION = 2  # 1: before leases (no lease_expires_at / owner columns); 2: leases
+SCHEMA_VERSION = 2  # 1: before leases; 2: leases (owner, lease_expires_at, queued_at, claimed_at)
 DEFAULT_LEASE_S = 30.0
 DEFAULT_MAX_ATTEMPTS = 3
 
@@ -42,7 +42,8 @@ class JobStatus(str, Enum):
 class Job:
     """One row. ``request`` is the checked request as a dict (:class:`~.request.VideoRequest` fields);
     ``progress`` is in percent; ``created_at`` / ``completed_at`` are Unix seconds; ``owner`` names the worker
-    holding (or last holding) the job, ``"<node>/<index>"``; ``lease_expires_at`` is Unix seconds (database clock)."""
+    holding (or last holding) the job, ``"<node>/<index>"``; ``lease_expires_at``, ``queued_at`` (the last time it
+    entered the queue) and ``claimed_at`` (its last claim) are Unix seconds on the database's clock."""
 
     id: str
     created_at: int
@@ -58,6 +59,8 @@ class Job:
     completed_at: int | None = None
     owner: str | None = None
     lease_expires_at: float | None = None
+    queued_at: float | None = None
+    claimed_at: float | None = None
 
 
 class SchemaTooNew(RuntimeError):
@@ -77,7 +80,7 @@ def check_schema_version(found: int, where: str) -> None:
 
 
 _COLUMNS = ("id, created_at, status, request, progress, error, cancel_requested, attempt, renders, worker, "
-            "render_seconds, completed_at, owner, lease_expires_at")
+            "render_seconds, completed_at, owner, lease_expires_at, queued_at, claimed_at")
 
 
 _HELD = "id = ? AND status = 'in_progress' AND attempt = ?"  # the row still holds this claim (the fence)
@@ -132,7 +135,8 @@ class JobStore:
     # -- the server's side ------------------------------------------------------------------------------------
     def add(self, job_id: str, request: dict[str, Any]) -> Job:
         """Queue a new job (``job_id``: a random UUID the caller made; adding it again changes nothing)."""
-        self._write(f"INSERT INTO jobs (id, seq, created_at, status, request) VALUES (?, {self.NEXT_SEQ}, ?, ?, ?) "
+        self._write(f"INSERT INTO jobs (id, seq, created_at, status, request, queued_at) VALUES (?, {self.NEXT_SEQ}, "
+                    f"?, ?, ?, {self.NOW}) "
                     "ON CONFLICT (id) DO NOTHING RETURNING id",
                     (job_id, int(time.time()), JobStatus.QUEUED.value, json.dumps(request)), notify=True)
         return self.get(job_id)
@@ -175,8 +179,8 @@ class JobStore:
             raise RuntimeError("requeue_interrupted would take running jobs from other machines of the fleet; a "
                                "shared store requeues expired leases only (requeue_expired)")
         rows = self._write("UPDATE jobs SET status = CASE cancel_requested WHEN 1 THEN 'cancelled' ELSE 'queued' "
-                           "END, progress = 0, worker = NULL, lease_expires_at = NULL WHERE status = 'in_progress' "
-                           "RETURNING id", notify=True)
+                           f"END, progress = 0, worker = NULL, lease_expires_at = NULL, queued_at = {self.NOW} "
+                           "WHERE status = 'in_progress' RETURNING id", notify=True)
         return len(rows)
 
     def requeue_expired(self) -> int:
@@ -185,8 +189,8 @@ class JobStore:
         rows = self._write(f"UPDATE jobs SET status = CASE WHEN cancel_requested = 1 THEN 'cancelled' "
                            f"WHEN attempt >= ? THEN 'failed' ELSE 'queued' END, "
                            f"error = CASE WHEN cancel_requested = 0 AND attempt >= ? THEN ? ELSE error END, "
-                           f"progress = 0, lease_expires_at = NULL WHERE status = 'in_progress' "
-                           f"AND lease_expires_at < {self.NOW} RETURNING id",
+                           f"progress = 0, lease_expires_at = NULL, queued_at = {self.NOW} "
+                           f"WHERE status = 'in_progress' AND lease_expires_at < {self.NOW} RETURNING id",
                            (self.max_attempts, self.max_attempts,
                             f"gave up after {self.max_attempts} attempts: the worker's lease expired each time"),
                            notify=True)
@@ -223,7 +227,7 @@ class JobStore:
         get the same one), or None. ``owner``: the claiming worker's name (default ``"local/<worker>"``)."""
         self.requeue_expired()
         rows = self._write(f"UPDATE jobs SET status = 'in_progress', attempt = attempt + 1, worker = ?, owner = ?, "
-                           f"progress = 0, lease_expires_at = {self.NOW} + ? "
+                           f"progress = 0, lease_expires_at = {self.NOW} + ?, claimed_at = {self.NOW} "
                            f"WHERE id = (SELECT id FROM jobs WHERE status = 'queued' ORDER BY seq LIMIT 1"
                            f"{self.CLAIM_LOCK}) AND status = 'queued' RETURNING {_COLUMNS}",
                            (worker, owner or f"local/{worker}", self.lease_s))

@@ -5,8 +5,8 @@
 - Every write that makes work (a new job, a requeue) sends ``NOTIFY metainfer_video_jobs`` in its transaction;
   idle workers ``LISTEN`` on a connection of their own and wake at once (no polling for new jobs; an idle worker
   still wakes every ``timeout_s`` of :meth:`wait_for_work` to requeue expired leases).
-- A lost connection (the server restarted, a network cut) is retried with back-off for ``retry_s`` seconds; the
-  pool checks each connection before lending it, so a restarted server is picked up without a restart here.
+- A lost connection (the server restarted, a network cut) is retried with back-off for ``retry_s`` seconds on a
+  fresh connection (the pool drops broken ones), so a restarted server is picked up without a restart here.
   Statements are written so that a retry after a commit whose answer was lost changes nothing twice.
 """
 
@@ -30,7 +30,7 @@ _TABLES = (
     "status TEXT NOT NULL, request TEXT NOT NULL, progress INTEGER NOT NULL DEFAULT 0, error TEXT, "
     "cancel_requested INTEGER NOT NULL DEFAULT 0, attempt INTEGER NOT NULL DEFAULT 0, "
     "renders INTEGER NOT NULL DEFAULT 0, worker INTEGER, render_seconds DOUBLE PRECISION, completed_at BIGINT, "
-    "owner TEXT, lease_expires_at DOUBLE PRECISION)",
+    "owner TEXT, lease_expires_at DOUBLE PRECISION, queued_at DOUBLE PRECISION, claimed_at DOUBLE PRECISION)",
     "CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status, seq)",
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
 )
@@ -75,8 +75,10 @@ class PostgresJobStore(JobStore):
         self.url, self.retry_s = url, float(retry_s)
         self._listener = None
         self._listen_lock = threading.Lock()
+        # No check-out probe (ConnectionPool.check_connection): it doubles the round trips of every statement, and
+        # a connection that broke meanwhile fails its statement, is dropped by the pool, and the retry gets another.
         self._pool = ConnectionPool(url, min_size=1, max_size=4, kwargs=_CONNECT, open=False, timeout=5.0,
-                                    check=ConnectionPool.check_connection, name="metainfer-gen-jobs")
+                                    name="metainfer-gen-jobs")
         try:
             self._pool.open(wait=True, timeout=connect_timeout_s)
         except PoolTimeout:

@@ -35,12 +35,15 @@ CREATE TABLE IF NOT EXISTS jobs (
     render_seconds REAL,
     completed_at INTEGER,
     owner TEXT,
-    lease_expires_at REAL
+    lease_expires_at REAL,
+    queued_at REAL,
+    claimed_at REAL
 );
 CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status, seq);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
-_V1_TO_V2 = ("ALTER TABLE jobs ADD COLUMN owner TEXT", "ALTER TABLE jobs ADD COLUMN lease_expires_at REAL")
+_V1_TO_V2 = tuple(f"ALTER TABLE jobs ADD COLUMN {column}" for column in (
+    "owner TEXT", "lease_expires_at REAL", "queued_at REAL", "claimed_at REAL"))
 
 
 class SQLiteJobStore(JobStore):

@@ -61,6 +61,11 @@ class WorkerSpec:
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
 
 
+def ready_key(owner: str) -> str:
+    """The store's meta key a worker sets once its model is loaded (its value: the worker's pid)."""
+    return f"ready:{owner}"
+
+
 class JobStopped(Exception):
     """Raised from the step callback: the job was cancelled."""
 
@@ -139,7 +144,7 @@ class VideoWorker:
         names = ("num_frames", "height", "width", "num_inference_steps", "guidance_scale")
         defaults = {name: self.t2v.default(name) for name in names}
         self.store.set_meta("defaults", {k: v for k, v in defaults.items() if isinstance(v, (int, float))})
-        self.store.set_meta(f"ready:{spec.owner}", os.getpid())
+        self.store.set_meta(ready_key(spec.owner), os.getpid())
         self._cache = "off"
 
     def run_one(self) -> bool:

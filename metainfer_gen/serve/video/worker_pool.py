@@ -16,7 +16,7 @@ import socket
 import threading
 from typing import Callable
 
-from metainfer_gen.serve.video.worker import WorkerSpec, worker_main
+from metainfer_gen.serve.video.worker import WorkerSpec, ready_key, worker_main
 
 MAX_RESTARTS = 3  # per worker: a worker that keeps dying is left dead (/health then says so)
 _SUPERVISE_S = 0.5
@@ -73,7 +73,7 @@ class WorkerPool:
                     continue
                 owner = self.make_spec(index).owner
                 self.store.fail_running_of(owner, f"the worker process exited with code {process.exitcode}")
-                self.store.delete_meta(f"ready:{owner}")  # not ready until the replacement has loaded the model
+                self.store.delete_meta(ready_key(owner))  # not ready until the replacement has loaded the model
                 if self._restarts[index] < MAX_RESTARTS:
                     self._restarts[index] += 1
                     self._processes[index] = self._spawn(index)
@@ -94,7 +94,7 @@ class WorkerPool:
     @property
     def num_ready(self) -> int:
         """Workers of this start that have loaded the model."""
-        return sum(self.store.get_meta(f"ready:{self.make_spec(i).owner}") is not None
+        return sum(self.store.get_meta(ready_key(self.make_spec(i).owner)) is not None
                    for i in range(self.num_workers))
 
     def close(self, timeout_s: float = 3.0) -> None:
@@ -111,4 +111,6 @@ class WorkerPool:
             if process.is_alive():
                 process.kill()
                 process.join(timeout_s)
+        for index in range(len(self._processes)):  # a shared store would keep a stopped node's keys forever
+            self.store.delete_meta(ready_key(self.make_spec(index).owner))
         self._processes = []
