@@ -162,9 +162,10 @@ def main(argv: list[str] | None = None) -> None:
                                   ("SQLite, 50 ms polling (1 worker idle)", lite, lite_store_s)):
         latency_rows.append([name, str(len(values)), f"{percentile(values, 50) * 1000:.1f}",
                              f"{percentile(values, 99) * 1000:.1f}", f"{per_job * 1000:.1f}"])
-    print(f"16 prompts of the embedded model (17 frames 64x64, 20 steps, guidance 4), seeds 0-15; "
-          f"hosts pinned to CPUs {args.cpus}")
-    print_table(["row", "cache", "seconds", "clips/hour", "vs 1 host", "clips per host", "render s/clip"], rows)
+    if rows:
+        print(f"16 prompts of the embedded model (17 frames 64x64, 20 steps, guidance 4), seeds 0-15; "
+              f"hosts pinned to CPUs {args.cpus}")
+        print_table(["row", "cache", "seconds", "clips/hour", "vs 1 host", "clips per host", "render s/clip"], rows)
     print("claim latency: queued_at to claimed_at (database clock), idle workers; store time per job: add + claim + "
           "20 progress updates + complete + read, back to back")
     print_table(["store", "samples", "claim p50 ms", "claim p99 ms", "store ms/job"], latency_rows)
