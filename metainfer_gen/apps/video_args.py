@@ -30,12 +30,10 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def apply_model_options(pipe, args: argparse.Namespace) -> None:
-    """The accelerators the options ask for, on a freshly loaded pipeline: fused kernels first (innermost), then
-    the embed memo (skipped without a word on a model that has no Wan condition embedder: it is a default)."""
+    """The accelerators the options ask for, on a freshly loaded pipeline (whose ``from_pretrained`` turned the
+    lossless embed memo on where the model has Wan's condition embedder): the fused kernels, and the memo off
+    with ``--no-embed-memo``."""
     if args.fused_kernels:
         pipe.enable_fused_kernels()
-    if args.embed_memo:
-        from metainfer_gen.video.cache.embed_memo import embed_memo_refusal
-
-        if any(embed_memo_refusal(model) is None for model in pipe.transformers):
-            pipe.enable_embed_memo()  # else no Wan-style embedder: nothing to memoise, the model runs as it is
+    if not args.embed_memo:
+        pipe.disable_embed_memo()

@@ -8,7 +8,7 @@ from metainfer_gen.pipelines.loading import IMAGE_TO_VIDEO
 from metainfer_gen.pipelines.negative_prompt import used_negative_prompt
 from metainfer_gen.pipelines.video_base import VideoPipelineBase
 from metainfer_gen.video.images import fit_image, load_image
-from metainfer_gen.video.output import VideoOutput
+from metainfer_gen.video.output import FramesOutput, VideoOutput
 
 
 class ImageToVideoPipeline(VideoPipelineBase):
@@ -39,16 +39,20 @@ class ImageToVideoPipeline(VideoPipelineBase):
         guidance_scale: float | None = None,
         seed: int | None = None,
         generator=None,
+        num_videos_per_prompt: int = 1,
+        output_type: str | None = None,
         **kwargs: Any,
-    ) -> VideoOutput:
-        """Generate one clip whose first frame is ``image``.
+    ) -> VideoOutput | list[VideoOutput] | FramesOutput:
+        """Generate ``num_videos_per_prompt`` clips whose first frame is ``image``.
 
         Args:
             image: path, ``PIL.Image`` or uint8 array (H, W[, C]).
             prompt: text describing the motion. Other arguments as in :class:`TextToVideoPipeline` (a
-                ``negative_prompt`` at ``guidance_scale <= 1`` is ignored with a warning and recorded as None).
+                ``negative_prompt`` at ``guidance_scale <= 1`` is ignored with a warning and recorded as None;
+                ``num_videos_per_prompt`` and ``output_type`` too).
         Returns:
-            A :class:`VideoOutput`; ``settings["image_size"]`` is the (width, height) the image was fitted to.
+            A :class:`VideoOutput` (a list for several videos; a ``FramesOutput`` for a diffusers
+            ``output_type``); ``settings["image_size"]`` is the (width, height) the image was fitted to.
         Raises:
             ValueError / TypeError / FileNotFoundError: bad arguments or image, before any computation.
         """
@@ -62,4 +66,6 @@ class ImageToVideoPipeline(VideoPipelineBase):
         settings = {"task": self.task, "prompt": prompt, "negative_prompt": negative_prompt, "seed": seed,
                     "image_size": list(picture.size), **values}
         call = {"image": picture, "prompt": prompt, "negative_prompt": negative_prompt, **values, **kwargs}
-        return self._run(call, settings, seed, generator)[0]
+        outputs = self._run(call, settings, seed, generator, num_videos_per_prompt=num_videos_per_prompt,
+                            output_type=output_type)
+        return outputs[0] if num_videos_per_prompt == 1 and output_type is None else outputs

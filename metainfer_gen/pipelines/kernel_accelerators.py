@@ -41,7 +41,7 @@ class KernelAcceleratorsMixin:
                 unfuse_kernels(model)
 
     def enable_embed_memo(self) -> None:
-        """Reuse the condition embedder's exact outputs within each call (lossless; off by default).
+        """Reuse the condition embedder's exact outputs within each call (lossless; ``from_pretrained`` turns it on).
 
         Each step's timestep is then embedded once for both CFG branches and the second branch's prompt projected
         once per call, by value lookup, so outputs stay bit-identical (:mod:`metainfer_gen.video.cache.embed_memo`;

@@ -7,7 +7,7 @@ from typing import Any
 from metainfer_gen.pipelines.loading import TEXT_TO_VIDEO
 from metainfer_gen.pipelines.negative_prompt import used_negative_prompt
 from metainfer_gen.pipelines.video_base import VideoPipelineBase
-from metainfer_gen.video.output import VideoOutput
+from metainfer_gen.video.output import FramesOutput, VideoOutput
 
 
 class TextToVideoPipeline(VideoPipelineBase):
@@ -37,9 +37,11 @@ class TextToVideoPipeline(VideoPipelineBase):
         guidance_scale: float | None = None,
         seed: int | None = None,
         generator=None,
+        num_videos_per_prompt: int = 1,
+        output_type: str | None = None,
         **kwargs: Any,
-    ) -> VideoOutput | list[VideoOutput]:
-        """Generate one clip per prompt.
+    ) -> VideoOutput | list[VideoOutput] | FramesOutput:
+        """Generate ``num_videos_per_prompt`` clips per prompt.
 
         Args:
             prompt: text, or a list for a batch.
@@ -49,9 +51,16 @@ class TextToVideoPipeline(VideoPipelineBase):
             height, width: pixels; multiples of the family's spatial grid (16 for Wan).
             num_inference_steps: denoising steps. guidance_scale: classifier-free guidance weight (1 disables).
             seed: integer seed (a CPU ``torch.Generator``); or pass ``generator`` directly.
-            kwargs: forwarded to the diffusers pipeline (e.g. ``max_sequence_length``).
+            num_videos_per_prompt: clips per prompt, each rendered with its own seed (``seed``, ``seed + 1``, ...;
+                drawn from ``generator`` when one is given, at random otherwise; each clip's ``settings["seed"]``
+                says which), so clip i equals a single call with that seed; each has its own stats.
+            output_type: None (ours: uint8 frames, ``save()``), or diffusers' ``"np"``, ``"pil"``, ``"pt"``,
+                ``"latent"`` (a :class:`~metainfer_gen.video.output.FramesOutput` in diffusers' layout, so
+                ``export_to_video(out.frames[0], "clip.mp4")`` works as in diffusers' docs).
+            kwargs: forwarded to the diffusers pipeline (e.g. ``max_sequence_length``, ``callback_on_step_end``).
         Returns:
-            A :class:`VideoOutput` for a string prompt, a list of them for a list.
+            A :class:`VideoOutput` for a string prompt and one video, else a list of them (prompt-major); a
+            ``FramesOutput`` for a diffusers ``output_type``.
         Raises:
             ValueError / TypeError: invalid arguments, before any computation.
         """
@@ -61,5 +70,7 @@ class TextToVideoPipeline(VideoPipelineBase):
                                                kwargs)
         settings = {"task": self.task, "prompt": prompt, "negative_prompt": negative_prompt, "seed": seed, **values}
         outputs = self._run({"prompt": prompt, "negative_prompt": negative_prompt, **values, **kwargs},
-                            settings, seed, generator)
-        return outputs[0] if isinstance(prompt, str) else outputs
+                            settings, seed, generator, num_videos_per_prompt=num_videos_per_prompt,
+                            output_type=output_type)
+        single = isinstance(prompt, str) and num_videos_per_prompt == 1 and output_type is None
+        return outputs[0] if single else outputs

@@ -2,29 +2,29 @@
 
 The objects wrap a diffusers pipeline (composition: ``pipe.diffusers_pipeline``) and add what users asked for:
 input errors before any work, a seed argument, uint8 frames, per-call stats and a ``save`` that writes
-browser-playable MP4. Accelerators (step cache, embed memo, LoRA, fused kernels) attach to the wrapped model from
-outside; each is off until enabled.
+browser-playable MP4; they also speak diffusers (``output_type``, ``num_videos_per_prompt``, ``.to()``,
+``.components``, the component attributes, CPU offload). Accelerators attach to the wrapped model from outside:
+the lossless embed memo is on from ``from_pretrained`` (as in the CLI); the step cache, LoRA and fused kernels are
+off until enabled.
 """
 
 from __future__ import annotations
 
 import inspect
-from contextlib import nullcontext
 from typing import Any
 
+from metainfer_gen.pipelines.diffusers_compat import DiffusersCompatMixin
 from metainfer_gen.pipelines.kernel_accelerators import KernelAcceleratorsMixin
 from metainfer_gen.pipelines.loading import load_diffusers_pipeline
 from metainfer_gen.pipelines.parallel import ParallelMixin
-from metainfer_gen.video.output import VideoOutput, measure, to_uint8_frames
+from metainfer_gen.pipelines.video_calls import VideoCallMixin
 from metainfer_gen.video.rules import VideoRules
 
 # Call arguments with a default from the model's settings file or, failing that, from the diffusers signature.
 _SHAPE_ARGS = ("num_frames", "height", "width", "num_inference_steps", "guidance_scale")
-# Further diffusers call arguments a model's settings file may fix (the length its transformer was trained to read).
-_MODEL_ARGS = ("max_sequence_length",)
 
 
-class VideoPipelineBase(KernelAcceleratorsMixin, ParallelMixin):
+class VideoPipelineBase(DiffusersCompatMixin, VideoCallMixin, KernelAcceleratorsMixin, ParallelMixin):
     """Base of :class:`TextToVideoPipeline` and :class:`ImageToVideoPipeline`; not used directly."""
 
     task: str = ""
@@ -41,7 +41,7 @@ class VideoPipelineBase(KernelAcceleratorsMixin, ParallelMixin):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path=None, *, torch_dtype=None, device: str | None = None,
-                        vae_dtype=None, **kwargs):
+                        vae_dtype=None, embed_memo: bool = True, **kwargs):
         """Load the embedded default model (no argument), a local pipeline folder or a hub id.
 
         Args:
@@ -50,6 +50,9 @@ class VideoPipelineBase(KernelAcceleratorsMixin, ParallelMixin):
             device: where to run; default CUDA when available, else CPU.
             vae_dtype: the VAE's own dtype, e.g. ``torch.bfloat16`` for a decode about 1.5x faster on a CPU with native
                 bf16 (see ``pipelines.loading.load_diffusers_pipeline``); default: ``torch_dtype``.
+            embed_memo: reuse the condition embedder's exact outputs within each call (lossless, bit-identical
+                clips; :meth:`enable_embed_memo`); on by default where the model has Wan's condition embedder,
+                skipped without a word elsewhere.
             kwargs: forwarded to ``diffusers.DiffusionPipeline.from_pretrained`` (e.g. ``variant``).
         Raises:
             FileNotFoundError: a local path that does not exist or holds no pipeline.
@@ -59,7 +62,13 @@ class VideoPipelineBase(KernelAcceleratorsMixin, ParallelMixin):
             pretrained_model_name_or_path, cls.task, torch_dtype=torch_dtype, device=device, vae_dtype=vae_dtype,
             **kwargs
         )
-        return cls(pipe, settings=settings, source=source)
+        new = cls(pipe, settings=settings, source=source)
+        if embed_memo:
+            from metainfer_gen.video.cache.embed_memo import embed_memo_refusal
+
+            if any(embed_memo_refusal(model) is None for model in new.transformers):
+                new.enable_embed_memo()
+        return new
 
     @classmethod
     def from_pipe(cls, other: "VideoPipelineBase"):
@@ -197,38 +206,6 @@ class VideoPipelineBase(KernelAcceleratorsMixin, ParallelMixin):
     def set_progress_bar_config(self, **kwargs) -> None:
         """Forwarded to diffusers (e.g. ``disable=True`` to silence the per-step bar)."""
         self.diffusers_pipeline.set_progress_bar_config(**kwargs)
-
-    def _run(self, call_kwargs: dict[str, Any], settings: dict[str, Any], seed: int | None, generator=None):
-        import torch
-
-        from metainfer_gen.kernels import audit
-        from metainfer_gen.video.cache import count_block_evaluations
-
-        if generator is None and seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(f"seed must be an int; got {seed!r}")
-        steps = call_kwargs["num_inference_steps"]
-        accepted = inspect.signature(self.diffusers_pipeline.__call__).parameters
-        for name in _MODEL_ARGS:
-            if name in self.settings and name in accepted:
-                call_kwargs.setdefault(name, self.settings[name])
-        session = self.step_cache.session(self.diffusers_pipeline, steps) if self.step_cache else nullcontext(None)
-        with audit() as report:
-            parallel, seed = self._parallel_session(call_kwargs, seed, generator)
-            if generator is None:
-                settings["seed"] = seed  # with several ranks, rank 0's draw when no seed was given: reproducible
-            if generator is None and seed is not None:
-                generator = torch.Generator(device="cpu").manual_seed(seed)
-            with measure(self.transformers, self.device) as stats, torch.inference_mode(), \
-                    count_block_evaluations(self.transformers) as blocks, session as cache_report, \
-                    parallel as records, self._embed_memo_call():
-                result = self.diffusers_pipeline(**call_kwargs, generator=generator, output_type="np")
-        self.last_audit = report
-        stats.num_inference_steps = steps
-        stats.block_evaluations = blocks.num_evaluations
-        stats.cache = cache_report
-        self._parallel_stats(stats, records)
-        fps = float(self.settings.get("fps", 8.0))
-        return [VideoOutput(to_uint8_frames(v), stats, dict(settings), fps=fps) for v in result.frames]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.diffusers_pipeline).__name__} from {self.source}, {self.rules})"

@@ -114,3 +114,24 @@ def to_uint8_frames(video: Any) -> np.ndarray:
     """diffusers ``output_type="np"`` video (F, H, W, 3) float in [0, 1] -> uint8 (F, H, W, 3)."""
     array = np.asarray(video, dtype=np.float32)
     return (np.clip(array, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
+
+
+@dataclass(slots=True)
+class FramesOutput:
+    """What a video pipeline call with diffusers' ``output_type`` returns: diffusers' layout, our stats.
+
+    Attributes:
+        frames: one row per video, in diffusers' layout for the ``output_type`` asked: ``"np"`` float32 array
+            (videos, num_frames, height, width, 3) in [0, 1]; ``"pt"`` float tensor (videos, num_frames, 3, height,
+            width) in [0, 1]; ``"pil"`` a list (per video) of lists of ``PIL.Image``; ``"latent"`` the denoised
+            latents (videos, channels, latent frames, latent height, latent width). So ``out.frames[0]`` is the
+            first video, as ``diffusers.utils.export_to_video`` expects it.
+        stats: :class:`GenerationStats` per video (videos rendered in one batched call share one).
+        settings: the arguments each video was rendered with (its own ``seed``), one dict per video.
+        output_type: the ``output_type`` asked for.
+    """
+
+    frames: Any
+    stats: list[GenerationStats]
+    settings: list[dict[str, Any]]
+    output_type: str = "np"

@@ -7,10 +7,11 @@ import pytest
 
 @pytest.fixture
 def fresh_t2v(tiny_wan_dir):
-    """A newly loaded tiny text-to-video pipeline (function scope: cache hooks never leak between tests)."""
+    """A newly loaded tiny text-to-video pipeline (function scope: cache hooks never leak between tests), without
+    the default embed memo, so the tests that count embedder runs or hooks start from the bare model."""
     from metainfer_gen.pipelines import TextToVideoPipeline
 
-    pipe = TextToVideoPipeline.from_pretrained(tiny_wan_dir, device="cpu")
+    pipe = TextToVideoPipeline.from_pretrained(tiny_wan_dir, device="cpu", embed_memo=False)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
