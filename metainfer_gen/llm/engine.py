@@ -61,8 +61,7 @@ class LLMEngine:
         self.cache_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         from metainfer_gen.llm.kv_sizing import size_kv_pool
 
-        self.kv_sizing = size_kv_pool(model, config, max_model_len=max_model_len, dtype=self.dtype,
-                                      device=self.device,
+        self.kv_sizing = size_kv_pool(model, config, max_model_len=max_model_len, dtype=self.dtype, device=self.device,
                                       bytes_per_block=kv_cache_bytes_per_block(model, config.block_size,
                                                                                self.cache_dtype))
         num_blocks = self.kv_sizing.num_blocks
@@ -78,7 +77,8 @@ class LLMEngine:
                                   device=self.device, seed=config.seed, static_decode=static,
                                   cuda_graphs=static and self.device.type == "cuda" and not config.enforce_eager
                                   and config.tensor_parallel_size == 1, compiled_decode=compiled,
-                                  max_num_seqs=config.max_num_seqs, max_model_len=max_model_len)
+                                  max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
+                                  eos_token_ids=eos_token_ids)
         self._requests: dict[str, Sequence] = {}
         self.compile_guard = contextlib.nullcontext  # every step runs in it: no_new_compiles once warmed up
 
@@ -197,7 +197,7 @@ class LLMEngine:
         with self.compile_guard():
             sampled = self.runner.run(out)
         now = time.perf_counter()
-        finished = {s.seq_id for s in self.scheduler.update(out, sampled, now)}
+        finished = {s.seq_id for s in self.scheduler.update(out, sampled, now, self.runner.last_logprobs)}
         outputs = []
         for item in out.scheduled:
             seq = item.seq

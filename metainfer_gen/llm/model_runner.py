@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from metainfer_gen.llm.attention_metadata import AttentionMetadata
+from metainfer_gen.llm.logits_processors import apply_penalties, compute_logprobs, mask_early_stops
 from metainfer_gen.llm.sampler import sample
 from metainfer_gen.llm.scheduler import SchedulerOutput
 
@@ -32,12 +33,16 @@ class ModelRunner:
         static_decode: run decode-only steps of up to ``max_num_seqs`` sequences on static buffers (needs
             ``max_num_seqs`` and ``max_model_len``); ``cuda_graphs`` replays them as CUDA graphs,
             ``compiled_decode`` runs them as one compiled graph per batch size (CPU).
+        eos_token_ids: the tokens ``min_tokens`` keeps from being sampled early (with each request's stop tokens).
+    After each :meth:`run`, ``last_logprobs`` maps ``seq_id`` to the :class:`TokenLogprobs` of the rows that asked.
     """
 
     def __init__(self, model, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
                  seed: int = 0, static_decode: bool = False, cuda_graphs: bool = False, compiled_decode: bool = False,
-                 max_num_seqs: int = 1, max_model_len: int = 1):
+                 max_num_seqs: int = 1, max_model_len: int = 1, eos_token_ids: tuple[int, ...] = ()):
         self.model = model
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.last_logprobs: dict = {}
         self.block_size = block_size
         self.device = device
         sink = 1 if compiled_decode else 0  # a block past the pool: the padding rows of compiled steps write there
@@ -89,11 +94,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> dict[int, int]:
-        """Forward the step and sample; returns ``seq_id -> token`` for the sequences that sample."""
+        """Forward the step, apply penalties and ``min_tokens``, sample; returns ``seq_id -> token`` for the
+        sequences that sample (and sets ``last_logprobs``, from the logits before penalties and temperature)."""
         logits, rows = self.forward_logits(out)
+        self.last_logprobs = {}
         if not rows:
             return {}
         seqs = [out.scheduled[i].seq for i in rows]
-        tokens = sample(logits, [s.params for s in seqs],
+        processed = mask_early_stops(apply_penalties(logits, seqs), seqs, self.eos_token_ids)
+        tokens = sample(processed, [s.params for s in seqs],
                         [None if s.params.greedy else self.generator_for(s) for s in seqs])
+        self.last_logprobs = compute_logprobs(logits, tokens, seqs)
         return {s.seq_id: t for s, t in zip(seqs, tokens)}

@@ -20,6 +20,8 @@ class RequestOutput:
         new_token_ids: tokens added by the step that produced this output (streaming).
         ttft: seconds from arrival to the first token; mean_token_latency: seconds per later token (TPOT).
         num_cached_tokens: prompt tokens served from the prefix cache; num_preemptions: times recomputed.
+        logprobs: per generated token, its :class:`~metainfer_gen.llm.logits_processors.TokenLogprobs` (when the
+            request's ``SamplingParams.logprobs`` is set, else empty); new_logprobs: those of ``new_token_ids``.
     """
 
     request_id: str
@@ -34,13 +36,17 @@ class RequestOutput:
     mean_token_latency: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    logprobs: list = field(default_factory=list)
+    new_logprobs: list = field(default_factory=list)
 
     @classmethod
     def from_sequence(cls, seq: Sequence, new_token_ids: list[int], text: str = "") -> "RequestOutput":
+        new_logprobs = seq.logprobs[len(seq.logprobs) - len(new_token_ids):] if seq.logprobs else []
         return cls(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
                    token_ids=seq.output_token_ids, finished=seq.is_finished, finish_reason=seq.finish_reason,
                    text=text, new_token_ids=new_token_ids, ttft=seq.ttft, mean_token_latency=seq.mean_token_latency,
-                   num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions)
+                   num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions,
+                   logprobs=seq.logprobs, new_logprobs=new_logprobs)
 
     @classmethod
     def refused(cls, request_id: str, prompt_token_ids: list[int], error: str) -> "RequestOutput":

@@ -147,8 +147,10 @@ class Scheduler:
         out.preempted.append(seq)
 
     # -- after the model ran --------------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[int, int], now: float | None = None) -> list[Sequence]:
-        """Advance the scheduled sequences, append sampled tokens (``seq_id -> token``), finish what is done.
+    def update(self, out: SchedulerOutput, sampled: dict[int, int], now: float | None = None,
+               logprobs: dict | None = None) -> list[Sequence]:
+        """Advance the scheduled sequences, append sampled tokens (``seq_id -> token``) and their ``logprobs``
+        (``seq_id -> TokenLogprobs``, for the requests that asked), finish what is done.
 
         Returns:
             the sequences that finished this step (their blocks are already free).
@@ -162,6 +164,8 @@ class Scheduler:
                 continue
             token = sampled[seq.seq_id]
             seq.append_token(token, now)
+            if logprobs and seq.seq_id in logprobs:
+                seq.logprobs.append(logprobs[seq.seq_id])
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 seq.finish_reason = reason

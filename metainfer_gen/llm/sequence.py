@@ -25,6 +25,10 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # refused at admission (see ``RequestOutput.error``)
 
 
+MAX_LOGPROBS = 20  # top log-probabilities per token at most (OpenAI's top_logprobs range, vLLM's max_logprobs)
+MAX_REPETITION_PENALTY = 100.0  # a bound that keeps the divided logits finite
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick the next token, per request.
@@ -37,6 +41,14 @@ class SamplingParams:
         seed: per-request seed, so a request's samples do not depend on what else is in the batch.
         stop_token_ids: extra tokens that end the request (the model's EOS always does unless ``ignore_eos``).
         ignore_eos: keep generating past EOS (benchmarks use it to fix output lengths).
+        min_tokens: EOS and ``stop_token_ids`` cannot be sampled before this many tokens (vLLM's ``min_tokens``).
+        presence_penalty, frequency_penalty: OpenAI's, in [-2, 2]: subtract ``presence`` from the logit of every
+            token already generated and ``frequency`` times its count.
+        repetition_penalty: the CTRL / transformers penalty, > 0: the logit of every token of the prompt or the
+            output is divided by it when positive and multiplied by it when negative (1 = off).
+        logprobs: None, or how many top tokens' log-probabilities to return beside each sampled token's own
+            (0 = only the sampled token's), at most ``MAX_LOGPROBS``; from the model's logits before penalties
+            and temperature (vLLM's default, "raw logprobs").
     Raises:
         ValueError: any field outside its range, with the accepted range in the message.
     """
@@ -48,6 +60,11 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
@@ -65,10 +82,30 @@ class SamplingParams:
             raise ValueError(f"seed must be an int in [-2**63, 2**64) (a 64-bit generator seed) or None; got "
                              f"{self.seed!r}")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
+                or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be an int in [0, max_new_tokens={self.max_new_tokens}]; got "
+                             f"{self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2] (0 = off); got {value!r}")
+        if isinstance(self.repetition_penalty, bool) or not isinstance(self.repetition_penalty, (int, float)) \
+                or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}] (1 = off); "
+                             f"got {self.repetition_penalty!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}]; got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a presence, frequency or repetition penalty changes the logits."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 _ids = itertools.count()
@@ -99,6 +136,7 @@ class Sequence:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
+    logprobs: list = field(default_factory=list)  # per output token, when params.logprobs is set (TokenLogprobs)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)

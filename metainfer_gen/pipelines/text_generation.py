@@ -106,26 +106,29 @@ class TextGenerationPipeline:
 
     def __call__(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop_token_ids: tuple[int, ...] = (),
-                 ignore_eos: bool = False):
+                 ignore_eos: bool = False, **sampling):
         """Complete each prompt.
 
         Args:
             prompts: a string, or a list of strings / token-id lists.
             max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, ignore_eos: see
                 :class:`~metainfer_gen.llm.sequence.SamplingParams`.
+            sampling: its further fields: ``min_tokens``, ``presence_penalty``, ``frequency_penalty``,
+                ``repetition_penalty``, ``logprobs`` (then each output's ``logprobs`` holds one
+                ``TokenLogprobs`` per generated token).
         Returns:
             One :class:`~metainfer_gen.llm.outputs.RequestOutput` (for a string) or a list of them, in order, with
             ``text``, ``token_ids``, ``finish_reason`` ("stop", "length" or "error" with ``error``), ``ttft`` and
             ``mean_token_latency`` in seconds.
         Raises:
-            ValueError: bad sampling settings or an empty prompt (before any work).
+            ValueError: bad sampling settings or an empty prompt (before any work). TypeError: an unknown keyword.
         Warns:
             UserWarning: once per call, when a prompt plus ``max_new_tokens`` goes past :attr:`trained_context`.
         """
         from metainfer_gen.llm.sequence import SamplingParams
 
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                seed=seed, stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
+                                seed=seed, stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos, **sampling)
         single = isinstance(prompts, str)
         batch = [prompts] if single else list(prompts)
         if self.trained_context is not None:
