@@ -25,9 +25,10 @@ def add_llm_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_tp_argument(p: argparse.ArgumentParser) -> None:
     """``--tp N``: tensor-parallel ranks, started by this command (or torchrun's, see ``apps/tp_launch.py``)."""
-    p.add_argument("--tp", type=positive_int, default=1,
-                   help="tensor-parallel ranks splitting the model (default 1); this command starts ranks 1..N-1 "
-                        "on this host, or runs under torchrun --nproc-per-node N; rank 0 prints or serves")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=positive_int, default=1,
+                   help="tensor-parallel ranks splitting the model (default 1; --tensor-parallel-size is vLLM's "
+                        "name); this command starts ranks 1..N-1 on this host, or runs under torchrun "
+                        "--nproc-per-node N; rank 0 prints or serves")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

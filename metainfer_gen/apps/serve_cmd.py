@@ -8,6 +8,7 @@
     metainfer-gen serve --llm CKPT --tp 2             # 2 tensor-parallel ranks; rank 0 serves HTTP
     metainfer-gen serve --llm none --job-store postgresql://db/jobs --clips-dir /mnt/clips --video-workers 0
                                                       # an API-only node of a fleet (docs/fleet.md)
+    metainfer-gen serve CKPT --tensor-parallel-size 2 --max-model-len 4096 --served-model-name ds  # vLLM's names
 
 Needs the serve extra: ``pip install 'metainfer-gen[serve]'``. With ``--tp N`` this command starts ranks 1..N-1
 itself (or runs under ``torchrun --nproc-per-node N``): every rank steps the engine, rank 0 serves
@@ -40,6 +41,8 @@ def add_serve_parser(subparsers) -> None:
                                           "video model (default: the embedded one) on /v1/videos. Binds "
                                           "127.0.0.1 unless --host says otherwise. Needs the serve extra: "
                                           "pip install 'metainfer-gen[serve]'.")
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="the LLM checkpoint directory or hub id, as `vllm serve MODEL` (same as --llm)")
     p.add_argument("--llm", default=None, help="checkpoint directory or hub id (default: the embedded LLM; 'none': "
                                                "no LLM routes)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -56,10 +59,19 @@ def add_serve_parser(subparsers) -> None:
                    help="the 'model' name clients send (default: the checkpoint folder's name)")
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context length (default: the model's max_position_embeddings)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                   help="tokens per engine step, prefill chunks and decodes together (default 2048)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of the device's free memory (plus what the process holds) for weights, activations "
+                        "and the KV cache, in (0, 1] (default: all of it on a GPU; on a CPU the weights plus a "
+                        "quarter of the available RAM)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV blocks of shared prompt prefixes (default on; --no-enable-prefix-caching "
+                        "turns it off)")
     p.add_argument("--num-kv-blocks", type=positive_int, default=None,
                    help="KV pool size in blocks (default: sized from free memory)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None,
                    help="the LLM's weights and activations (default bfloat16 where the hardware has it natively: a "
                         "GPU, a CPU with AMX-BF16 or AVX512-BF16; float32 elsewhere; `metainfer-gen doctor` says which)")
     add_llm_engine_arguments(p)
@@ -80,8 +92,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    engine = {name: getattr(args, name) for name in ("max_model_len", "num_kv_blocks", "device", "dtype")
-              if getattr(args, name) is not None} | engine_options(args)
+    if args.model is not None and args.llm is not None and args.model != args.llm:
+        print(f"error: MODEL {args.model!r} and --llm {args.llm!r} disagree: give one of them", file=sys.stderr)
+        return 2
+    args.llm = args.llm if args.llm is not None else args.model
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+        print(f"error: --gpu-memory-utilization must be in (0, 1]; got {args.gpu_memory_utilization}",
+              file=sys.stderr)
+        return 2
+    args.dtype = None if args.dtype == "auto" else args.dtype
+    names = ("max_model_len", "num_kv_blocks", "device", "dtype", "max_num_batched_tokens", "gpu_memory_utilization",
+             "enable_prefix_caching")
+    engine = {name: getattr(args, name) for name in names if getattr(args, name) is not None} | engine_options(args)
     if args.llm == NONE and args.tp > 1:
         print("error: --tp applies to the LLM and --llm none serves none: drop --tp or name an --llm", file=sys.stderr)
         return 2

@@ -27,6 +27,9 @@ class EngineConfig:
         memory_budget_gib: memory the engine may use in all (weights + activations + KV); None takes the device's
             free memory plus what the process already holds on CUDA, and the weights plus a quarter of the
             available RAM on the CPU.
+        gpu_memory_utilization: vLLM's name: the share of the device's free memory (plus what this process
+            already holds) the engine takes for weights, activations and KV when ``memory_budget_gib`` is None, in
+            (0, 1]; None: all of it on a GPU, the weights plus a quarter of the available RAM on the CPU.
         kv_memory_margin: fraction of the budget left unallocated when sizing from measurement (allocator
             fragmentation, memory the profile cannot see).
         dtype: weights and activations, "float32", "bfloat16" or "float16"; None takes
@@ -62,6 +65,7 @@ class EngineConfig:
     kv_cache_memory_gib: float | None = None
     memory_budget_gib: float | None = None
     kv_memory_margin: float = 0.05
+    gpu_memory_utilization: float | None = None
     dtype: str | None = None
     device: str | None = None
     seed: int = 0
@@ -84,6 +88,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be None or > 0; got {value!r}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be None or in (0, 1]; got {self.gpu_memory_utilization!r}")
         if not 0 <= self.kv_memory_margin < 0.5:
             raise ValueError(f"kv_memory_margin must be in [0, 0.5); got {self.kv_memory_margin!r}")
         if self.dtype is not None and self.dtype not in _DTYPES:

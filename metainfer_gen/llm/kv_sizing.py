@@ -64,14 +64,17 @@ class KVPoolSizing:
                                                           if self.capped else ""))
 
 
-def default_budget(model, device: torch.device) -> int:
+def default_budget(model, device: torch.device, utilization: float | None = None) -> int:
     """Bytes the engine may use when no budget is given: CUDA free memory (after emptying the allocator's cache)
     plus what this process holds allocated;
-    on the CPU the weights plus a quarter of ``MemAvailable`` (the RAM is shared with everything else)."""
+    on the CPU the weights plus a quarter of ``MemAvailable`` (the RAM is shared with everything else).
+    ``utilization`` (vLLM's ``--gpu-memory-utilization``, read as a share of the free memory plus what this process
+    holds) takes that share instead, on either device."""
     if device.type == "cuda":
         torch.cuda.empty_cache()  # blocks the allocator caches but does not use count as free
         free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_allocated(device)
+        held = free + torch.cuda.memory_allocated(device)
+        return held if utilization is None else int(utilization * held)
     available = 4 * 2**30
     try:
         with open("/proc/meminfo") as f:
@@ -80,6 +83,8 @@ def default_budget(model, device: torch.device) -> int:
                     available = int(line.split()[1]) * 1024
     except OSError:
         pass
+    if utilization is not None:
+        return int(utilization * (available + tensor_bytes(model)))
     return tensor_bytes(model) + available // 4
 
 
@@ -105,7 +110,8 @@ def size_kv_pool(model, config, *, max_model_len: int, dtype: torch.dtype, devic
     decode = measure_decode_peak(model, seqs, max_model_len, config.block_size, dtype, device)
     peak = max(prefill, decode)
     weights = tensor_bytes(model)
-    budget = int(config.memory_budget_gib * 2**30) if config.memory_budget_gib else default_budget(model, device)
+    budget = int(config.memory_budget_gib * 2**30) if config.memory_budget_gib else \
+        default_budget(model, device, config.gpu_memory_utilization)
     margin = int(config.kv_memory_margin * budget)
     by_memory = (budget - weights - peak - margin) // bytes_per_block
     tp = getattr(model, "tp", None)

@@ -1,22 +1,24 @@
 """The FastAPI app: OpenAI's LLM routes over an :class:`~metainfer_gen.serve.async_engine.AsyncLLMEngine`.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` for SSE), ``GET /v1/models``,
-``POST /tokenize``, ``POST /detokenize`` (vLLM's shapes), ``GET /health``, ``GET /metrics`` (Prometheus).
-With an API key, every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer <key>`` (as vLLM,
-whose scrapers and probes send none). Every error is OpenAI's error JSON (:mod:`metainfer_gen.serve.errors`).
+``POST /tokenize``, ``POST /detokenize`` (vLLM's shapes), ``GET /health``, ``GET /metrics`` (Prometheus), and
+(:mod:`metainfer_gen.serve.info_routes`) ``GET /version``, ``GET /openapi.json``, ``GET /docs``; ``HEAD`` wherever
+``GET``. With an API key, every route but ``/health``, ``/metrics``, ``/version`` and the schema needs
+``Authorization: Bearer <key>`` (as vLLM, whose scrapers and probes send none). Every error is OpenAI's error JSON
+(:mod:`metainfer_gen.serve.errors`).
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the route signatures' ``Request`` annotations at
 # definition time, and ``Request`` is imported inside ``build_app`` (fastapi is an optional extra).
 import asyncio
-import time
 from dataclasses import dataclass
 
 from metainfer_gen.serve.chat import chat_token_ids
 from metainfer_gen.serve.errors import APIError, bad_request, error_body, http_error
 from metainfer_gen.serve.generation import generate
 from metainfer_gen.serve.http_io import DEFAULT_MAX_BODY_BYTES, check_api_key, read_json
-from metainfer_gen.serve.protocol import parse_chat_request, parse_completion_request
+from metainfer_gen.serve.info_routes import served_model
+from metainfer_gen.serve.protocol import parse_chat_request, parse_completion_request, parse_messages
 
 
 @dataclass(slots=True)
@@ -45,14 +47,26 @@ class AppSettings:
 def new_app():
     """An empty FastAPI app whose every error (ours, Starlette's 404/405, any exception) is OpenAI's error JSON."""
     from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException
 
-    app = FastAPI(title="metainfer-gen", docs_url=None, redoc_url=None, openapi_url=None)
+    from metainfer_gen import __version__
+
+    app = FastAPI(title="metainfer-gen", version=__version__, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
+    app.state.models = []  # the /v1/models entries: each front end adds its own
 
     @app.exception_handler(APIError)
     async def _api_error(_, exc: APIError):
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_, exc: RequestValidationError):  # a typed query parameter: our 400, not a 422
+        first = (exc.errors() or [{}])[0]
+        where = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+        err = bad_request(f"{where or 'the request'}: {first.get('msg', 'invalid value')}", where)
+        return JSONResponse(err.body(), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_, exc: HTTPException):
@@ -60,9 +74,9 @@ def new_app():
         return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def _internal(_, exc: Exception):
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_server_error"),
-                            status_code=500)
+    async def _internal(_, exc: Exception):  # never str(exc): it may carry paths
+        return JSONResponse(error_body(f"internal error ({type(exc).__name__}); see the server's log",
+                                       "internal_server_error"), status_code=500)
 
     return app
 
@@ -81,7 +95,6 @@ def build_app(front, metrics, settings: AppSettings, extra_health=None):
 
     engine = front.engine
     tokenizer = engine.tokenizer
-    created = int(time.time())
     app = new_app()
 
     def check_model(name: str | None) -> None:
@@ -93,8 +106,8 @@ def build_app(front, metrics, settings: AppSettings, extra_health=None):
         check_api_key(request, settings.api_key)
         return await read_json(request, settings.max_body_bytes)
 
-    async def answer(request: Request, req, prompt_ids: list[int]):
-        result = await generate(front, request, req, prompt_ids, settings.model_name, engine.max_model_len)
+    async def answer(request: Request, req, prompts_ids: list[list[int]]):
+        result = await generate(front, request, req, prompts_ids, settings.model_name, engine.max_model_len)
         if isinstance(result, dict):
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream",
@@ -104,28 +117,23 @@ def build_app(front, metrics, settings: AppSettings, extra_health=None):
     async def completions(request: Request):
         req = parse_completion_request(await body_of(request))
         check_model(req.model)
-        ids = await asyncio.to_thread(encode_text, req.prompt) if isinstance(req.prompt, str) else req.prompt
+        ids = [await asyncio.to_thread(encode_text, p) if isinstance(p, str) else p for p in req.prompts]
         return await answer(request, req, ids)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = parse_chat_request(await body_of(request))
         check_model(req.model)
-        return await answer(request, req, await asyncio.to_thread(chat_token_ids, tokenizer, req.messages))
+        return await answer(request, req, [await asyncio.to_thread(chat_token_ids, tokenizer, req.messages)])
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        check_api_key(request, settings.api_key)
-        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": created,
-                                             "owned_by": "metainfer-gen", "root": settings.model_name,
-                                             "max_model_len": engine.max_model_len}]}
+    app.state.models.append(served_model(settings.model_name, "llm", max_model_len=engine.max_model_len))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await body_of(request)
         check_model(body.get("model"))
         if "messages" in body:
-            ids = await asyncio.to_thread(chat_token_ids, tokenizer, parse_chat_request(body).messages)
+            ids = await asyncio.to_thread(chat_token_ids, tokenizer, parse_messages(body))
         elif isinstance(body.get("prompt"), str):
             add_special = body.get("add_special_tokens", True)
             if not isinstance(add_special, bool):

@@ -260,7 +260,8 @@ class AsyncLLMEngine:
             self.metrics.on_tokens(num_new, ttft, itl)
         request.last_token_time = now
         delta = request.detokenizer.push(output.new_token_ids)
-        event = StreamEvent(delta.text, num_new, num_cached_tokens=output.num_cached_tokens)
+        event = StreamEvent(delta.text, num_new, num_cached_tokens=output.num_cached_tokens,
+                            logprobs=output.new_logprobs)
         if delta.stopped:
             self._requests.pop(output.request_id)
             self.engine.abort(output.request_id)  # no-op when this step also finished it

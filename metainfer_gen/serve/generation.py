@@ -1,108 +1,181 @@
 """Run one checked OpenAI request on the async engine: sampling settings, context checks, then a whole answer or an
 SSE stream, aborting the request as soon as its client goes away.
+
+A request with several prompts, or ``n`` > 1, becomes one engine request per choice (choice ``i * n + j`` is sample
+j of prompt i). The first sample of each prompt is queued first and its siblings once its prompt is computed, so
+they read the prompt's full KV blocks from the prefix cache instead of computing them again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from dataclasses import dataclass, field
 
 from metainfer_gen.llm.engine import RequestRejected
 from metainfer_gen.llm.sequence import SamplingParams
 from metainfer_gen.serve.errors import APIError, bad_request
 from metainfer_gen.serve.http_io import on_disconnect
+from metainfer_gen.serve.logprobs_format import LogprobsFormatter
 from metainfer_gen.serve.protocol import GenerationRequest
 from metainfer_gen.serve.responses import DONE, ResponseFormat, sse
 
 
-def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
-    """Engine settings for ``req``; no ``max_tokens`` means the rest of the context.
+def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_len: int,
+                    sample_index: int = 0) -> SamplingParams:
+    """Engine settings for ``req``; no ``max_tokens`` means the rest of the context. Sample j of ``n`` draws with
+    ``seed + j`` when a seed is given, so the samples differ and each reproduces.
 
     Raises:
         APIError: 400 (code ``context_length_exceeded``) when the prompt plus ``max_tokens`` exceeds
-            ``max_model_len``, with the three numbers.
+            ``max_model_len``, with the three numbers; 400 for ``min_tokens`` beyond the tokens left.
     """
-    field = "messages" if req.messages is not None else "prompt"
+    field_name = "messages" if req.messages is not None else "prompt"
     if num_prompt_tokens >= max_model_len:
-        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but the {field} has "
-                            f"{num_prompt_tokens} tokens, leaving none to generate; shorten the {field}",
-                       param=field, code="context_length_exceeded")
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but the {field_name} "
+                            f"has {num_prompt_tokens} tokens, leaving none to generate; shorten the {field_name}",
+                       param=field_name, code="context_length_exceeded")
     max_tokens = req.max_tokens if req.max_tokens is not None else max_model_len - num_prompt_tokens
     if num_prompt_tokens + max_tokens > max_model_len:
         raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; you asked for "
-                            f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the {field}, {max_tokens} in "
-                            f"the completion); shorten the {field} or lower max_tokens",
+                            f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the {field_name}, "
+                            f"{max_tokens} in the completion); shorten the {field_name} or lower max_tokens",
                        param="max_tokens", code="context_length_exceeded")
+    if req.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({req.min_tokens}) exceeds the {max_tokens} tokens this prompt leaves",
+                          "min_tokens")
+    seed = None if req.seed is None else (req.seed + sample_index) % 2**64
     try:
         return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
-                              top_p=req.top_p, seed=req.seed, stop_token_ids=req.stop_token_ids,
-                              ignore_eos=req.ignore_eos)
+                              top_p=req.top_p, seed=seed, stop_token_ids=req.stop_token_ids,
+                              ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+                              presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                              repetition_penalty=req.repetition_penalty, logprobs=req.logprobs)
     except ValueError as exc:  # the protocol checks should have caught it; still a 400, never a 500
         raise bad_request(str(exc)) from None
 
 
-async def generate(front, request, req: GenerationRequest, prompt_ids: list[int], model_name: str,
+@dataclass(slots=True)
+class _Choice:
+    """What one choice's stream gave so far."""
+
+    index: int
+    parts: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    last: object = None
+
+
+async def generate(front, request, req: GenerationRequest, prompts_ids: list[list[int]], model_name: str,
                    max_model_len: int):
-    """Queue ``req`` and answer: a JSON dict (whole answer) or an async iterator of SSE bytes (``stream``).
+    """Queue ``req`` (one list of token ids per prompt) and answer: a JSON dict (whole answer) or an async
+    iterator of SSE bytes (``stream``).
 
     Raises:
         APIError: 400 for a prompt too long for the context or the KV pool, or token ids outside the vocabulary.
     """
-    params = sampling_params(req, len(prompt_ids), max_model_len)
+    params = [[sampling_params(req, len(ids), max_model_len, j) for j in range(req.n)] for ids in prompts_ids]
     chat = req.messages is not None
     fmt = ResponseFormat(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model_name, int(time.time()),
                          chat, req.include_usage)
-    field = "messages" if chat else "prompt"
-    try:
-        stream = await front.add(prompt_ids, params, req.stop, request_id=fmt.request_id)
-    except RequestRejected as exc:
-        raise APIError(400, str(exc), param=field, code="context_length_exceeded") from None
-    except ValueError as exc:
-        raise bad_request(str(exc), field) from None
+    streams = await _add_all(front, req, prompts_ids, params, fmt.request_id)
     # Watch from now on, not from the stream's first chunk: a client gone before Starlette starts the stream
     # (which then never runs its ``finally``) is aborted all the same.
-    watcher = on_disconnect(request, lambda: front.abort(stream.request_id))
+    watcher = on_disconnect(request, lambda: _abort_all(front, streams))
+    logprobs = LogprobsFormatter(front.engine.tokenizer, chat) if req.logprobs is not None else None
+    num_prompt_tokens = sum(len(ids) for ids in prompts_ids)
     if req.stream:
-        return _stream(front, stream, fmt, watcher)
-    return await _collect(front, stream, fmt, watcher)
+        return _stream(front, streams, fmt, watcher, logprobs, num_prompt_tokens)
+    return await _collect(front, streams, fmt, watcher, logprobs, num_prompt_tokens)
 
 
-async def _collect(front, stream, fmt: ResponseFormat, watcher) -> dict:
-    parts, last = [], None
+async def _add_all(front, req: GenerationRequest, prompts_ids, params, request_id: str) -> list:
+    """Queue every choice (each prompt's first sample first), in choice order; on a refusal abort what was queued."""
+    field_name = "messages" if req.messages is not None else "prompt"
+    streams: list = [None] * req.num_choices
+    share = front.engine.config.enable_prefix_caching
     try:
-        async for event in stream:
-            parts.append(event.text)
-            last = event
+        for rounds in ((0,), range(1, req.n)):
+            for i, ids in enumerate(prompts_ids):
+                if rounds and rounds[0] == 1 and share and len(ids) >= front.engine.config.block_size:
+                    await streams[i * req.n].wait_first_event()  # its full prompt blocks are in the cache now
+                for j in rounds:
+                    index = i * req.n + j
+                    streams[index] = await front.add(ids, params[i][j], req.stop, request_id=f"{request_id}-{index}")
+    except RequestRejected as exc:
+        _abort_all(front, streams)
+        raise APIError(400, str(exc), param=field_name, code="context_length_exceeded") from None
+    except ValueError as exc:
+        _abort_all(front, streams)
+        raise bad_request(str(exc), field_name) from None
+    except BaseException:
+        _abort_all(front, streams)
+        raise
+    return streams
+
+
+def _abort_all(front, streams: list) -> None:
+    for stream in streams:
+        if stream is not None and not stream.done:
+            front.abort(stream.request_id)
+
+
+async def _read(stream, choice: _Choice, queue: asyncio.Queue | None = None) -> _Choice:
+    async for event in stream:
+        choice.parts.append(event.text)
+        choice.logprobs.extend(event.logprobs)
+        choice.last = event
+        if queue is not None:
+            await queue.put((choice, event))
+    return choice
+
+
+async def _collect(front, streams, fmt: ResponseFormat, watcher, logprobs, num_prompt_tokens: int) -> dict:
+    try:
+        choices = await asyncio.gather(*[_read(stream, _Choice(i)) for i, stream in enumerate(streams)])
     finally:
         watcher.cancel()
-        if not stream.done:  # this handler was cancelled: nobody will read the answer
-            front.abort(stream.request_id)
-    if last.finish_reason == "error":
-        raise APIError(500, f"generation failed: {last.error}", code="engine_error")
-    return fmt.response("".join(parts), _openai_reason(last.finish_reason), last.num_prompt_tokens,
-                        last.num_output_tokens)
+        _abort_all(front, streams)  # this handler was cancelled: nobody will read the answer
+    failed = [c.last for c in choices if c.last.finish_reason == "error"]
+    if failed:
+        raise APIError(500, f"generation failed: {failed[0].error}", code="engine_error")
+    body = [fmt.choice(c.index, "".join(c.parts), _openai_reason(c.last.finish_reason),
+                       logprobs.format(c.logprobs) if logprobs else None) for c in choices]
+    return fmt.response(body, num_prompt_tokens, sum(c.last.num_output_tokens for c in choices),
+                        sum(c.last.num_cached_tokens for c in choices))
 
 
-async def _stream(front, stream, fmt: ResponseFormat, watcher):
+async def _stream(front, streams, fmt: ResponseFormat, watcher, logprobs, num_prompt_tokens: int):
+    queue: asyncio.Queue = asyncio.Queue()
+    readers = [asyncio.ensure_future(_read(stream, _Choice(i), queue)) for i, stream in enumerate(streams)]
+    offsets = [0] * len(streams)
     try:
         if fmt.chat:
-            yield fmt.chunk(role=True)
-        async for event in stream:
-            if event.text:
-                yield fmt.chunk(event.text)
+            for i in range(len(streams)):
+                yield fmt.chunk(role=True, index=i)
+        open_choices, outputs, cached = len(streams), 0, 0
+        while open_choices:
+            choice, event = await queue.get()
+            if event.text or event.logprobs:
+                yield fmt.chunk(event.text, index=choice.index,
+                                logprobs=logprobs.format(event.logprobs, offsets[choice.index]) if logprobs else None)
+                offsets[choice.index] += len(event.text)
             if not event.finished:
                 continue
+            open_choices -= 1
+            outputs, cached = outputs + event.num_output_tokens, cached + event.num_cached_tokens
             if event.finish_reason == "error":
                 yield sse(APIError(500, f"generation failed: {event.error}", code="engine_error").body())
             else:
-                yield fmt.chunk(None, _openai_reason(event.finish_reason))
-            if fmt.include_usage:
-                yield fmt.usage_chunk(event.num_prompt_tokens, event.num_output_tokens)
-            yield DONE
+                yield fmt.chunk(None, _openai_reason(event.finish_reason), index=choice.index)
+        if fmt.include_usage:
+            yield fmt.usage_chunk(num_prompt_tokens, outputs, cached)
+        yield DONE
     finally:  # also when Starlette cancels the stream because the client disconnected
         watcher.cancel()
-        if not stream.done:
-            front.abort(stream.request_id)
+        for reader in readers:
+            reader.cancel()
+        _abort_all(front, streams)
 
 
 def _openai_reason(reason: str) -> str:

@@ -1,37 +1,32 @@
 """Parse and check OpenAI request bodies (``/v1/completions``, ``/v1/chat/completions``) before any work.
 
 Every field is checked by hand, so each refusal is a 400 naming the field (``param``) and the accepted range,
-where a schema library would answer 422 with its own wording. Accepted fields follow OpenAI's API; the extras
-``top_k``, ``ignore_eos`` and ``stop_token_ids`` follow vLLM's. Fields OpenAI defines that this server cannot
-honour (``logprobs``, ``echo``, penalties, tools, ...) are refused when set to anything but their default,
-rather than silently ignored; unknown fields are ignored, as OpenAI does.
+where a schema library would answer 422 with its own wording. Which fields exist, and which are refused or
+ignored, is :mod:`metainfer_gen.serve.request_fields`; unknown fields are refused by name.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 
 from metainfer_gen.llm.detokenizer import check_stop_strings
+from metainfer_gen.llm.sequence import MAX_LOGPROBS, MAX_REPETITION_PENALTY
 from metainfer_gen.serve.errors import bad_request
+from metainfer_gen.serve.request_fields import boolean, check_fields, integer, is_int, json_kind, number
 
-# field -> values that mean "not used" (anything else is refused: the server does not implement it)
-_UNSUPPORTED = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
-    "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
-    "tools": (None, []), "functions": (None, []), "repetition_penalty": (None, 1),
-    "response_format": (None, {"type": "text"}),
-}
 _ROLES = ("system", "developer", "user", "assistant")
+MAX_N = 16  # samples per prompt
+MAX_CHOICES = 64  # prompts x n in one request
 
 
 @dataclass(slots=True)
 class GenerationRequest:
-    """A checked request. Exactly one of ``prompt`` (completions: text or token ids) and ``messages`` (chat)."""
+    """A checked request. Exactly one of ``prompts`` (completions: texts or token-id lists) and ``messages``
+    (chat). ``logprobs``: None, or how many top tokens to return per token (0: only the sampled one's)."""
 
     model: str | None
-    prompt: str | list[int] | None = None
+    prompts: list[str | list[int]] | None = None
     messages: list[dict] | None = None
     stream: bool = False
     include_usage: bool = False
@@ -43,6 +38,16 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+
+    @property
+    def num_choices(self) -> int:
+        return self.n * (len(self.prompts) if self.prompts is not None else 1)
 
 
 def parse_json_object(raw: bytes, content_type: str | None) -> dict:
@@ -66,32 +71,43 @@ def parse_json_object(raw: bytes, content_type: str | None) -> dict:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise bad_request(f"malformed JSON in the request body: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object; got {_json_kind(body)}", code="invalid_json")
+        raise bad_request(f"the request body must be a JSON object; got {json_kind(body)}", code="invalid_json")
     return body
 
 
 def parse_completion_request(body: dict) -> GenerationRequest:
-    """``/v1/completions``: ``prompt`` is a non-empty string, a list of token ids, or a list holding one of those.
+    """``/v1/completions``: ``prompt`` is a non-empty string, a list of token ids, or a list of those (a batch:
+    choice ``i * n + j`` is sample j of prompt i).
 
     Raises:
         APIError: 400 naming the field.
     """
+    check_fields(body, "completions")
     if "prompt" not in body:
         raise bad_request("missing required field 'prompt'", "prompt", "missing_field")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt.strip():
-            raise bad_request("prompt is empty: give some text", "prompt")
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        prompt = [int(t) for t in prompt]
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad_request(f"prompt holds {len(prompt)} prompts; this server takes one prompt per request", "prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        prompts = prompt
     else:
-        raise bad_request("prompt must be a non-empty string or a non-empty list of token ids", "prompt")
+        raise bad_request("prompt must be a non-empty string, a non-empty list of token ids, or a non-empty list "
+                          "of those", "prompt")
+    checked = []
+    for i, one in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 and one is prompt else f"prompt[{i}]"
+        if isinstance(one, str):
+            if not one.strip():
+                raise bad_request(f"{where} is empty: give some text", where)
+            checked.append(one)
+        elif one and all(is_int(t) for t in one):
+            checked.append([int(t) for t in one])
+        else:
+            raise bad_request(f"{where} must be a non-empty string or a non-empty list of token ids", where)
     request = _common(body, max_tokens_default=16)
-    request.prompt = prompt
+    request.prompts = checked
+    request.logprobs = integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    _check_choices(request)
     return request
 
 
@@ -101,6 +117,24 @@ def parse_chat_request(body: dict) -> GenerationRequest:
 
     Raises:
         APIError: 400 naming the field.
+    """
+    check_fields(body, "chat")
+    request = _common(body, max_tokens_default=None, max_tokens=body.get("max_completion_tokens",
+                                                                          body.get("max_tokens")))
+    request.messages = parse_messages(body)
+    top = integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and not boolean(body, "logprobs"):
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    request.logprobs = (top or 0) if boolean(body, "logprobs") else None
+    _check_choices(request)
+    return request
+
+
+def parse_messages(body: dict) -> list[dict]:
+    """``body["messages"]`` checked: ``[{"role", "content"}]`` with text content.
+
+    Raises:
+        APIError: 400 naming the message and field.
     """
     if "messages" not in body:
         raise bad_request("missing required field 'messages'", "messages", "missing_field")
@@ -116,10 +150,13 @@ def parse_chat_request(body: dict) -> GenerationRequest:
         if role not in _ROLES:
             raise bad_request(f"{where}.role must be one of {', '.join(_ROLES)}; got {role!r}", f"{where}.role")
         checked.append({"role": role, "content": _message_text(message.get("content"), f"{where}.content")})
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    request = _common(body, max_tokens_default=None, max_tokens=max_tokens)
-    request.messages = checked
-    return request
+    return checked
+
+
+def _check_choices(request: GenerationRequest) -> None:
+    if request.num_choices > MAX_CHOICES:
+        raise bad_request(f"this request asks for {request.num_choices} choices (prompts x n); at most "
+                          f"{MAX_CHOICES} per request", "n")
 
 
 def _message_text(content, where: str) -> str:
@@ -136,37 +173,22 @@ def _message_text(content, where: str) -> str:
 
 
 def _common(body: dict, *, max_tokens_default: int | None, max_tokens=...) -> GenerationRequest:
-    for name, unused in _UNSUPPORTED.items():
-        if body.get(name) not in unused:
-            raise bad_request(f"{name} is not supported by this server; leave it out", name, "unsupported_parameter")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise bad_request(f"model must be a string; got {_json_kind(model)}", "model")
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise bad_request(f"n must be 1 (this server returns one choice per request); got {n!r}", "n")
+        raise bad_request(f"model must be a string; got {json_kind(model)}", "model")
     max_tokens = body.get("max_tokens") if max_tokens is ... else max_tokens
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_tokens is None:
         max_tokens = max_tokens_default
-    elif not _is_int(max_tokens) or max_tokens < 1:
+    elif not is_int(max_tokens) or max_tokens < 1:
         raise bad_request(f"{name} must be an integer >= 1; got {max_tokens!r}", name)
-    stream = _bool(body, "stream")
+    stream = boolean(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
         raise bad_request("stream_options must be an object, and only with stream: true", "stream_options")
-    include_usage = bool(options) and _bool(options, "include_usage", "stream_options.include_usage")
-    temperature = _number(body, "temperature", 1.0)
-    if temperature < 0:
-        raise bad_request(f"temperature must be >= 0 (0 = greedy); got {temperature!r}", "temperature")
-    top_p = _number(body, "top_p", 1.0)
-    if not 0.0 < top_p <= 1.0:
-        raise bad_request(f"top_p must be in (0, 1]; got {top_p!r}", "top_p")
-    top_k = body.get("top_k")
-    if top_k is not None and (not _is_int(top_k) or top_k < -1):
-        raise bad_request(f"top_k must be an integer >= 1, or 0 / -1 for all tokens; got {top_k!r}", "top_k")
+    include_usage = bool(options) and boolean(options, "include_usage", "stream_options.include_usage")
     seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or not -2**63 <= seed < 2**64):
+    if seed is not None and (not is_int(seed) or not -2**63 <= seed < 2**64):
         raise bad_request(f"seed must be an integer in [-2**63, 2**64) (a 64-bit generator seed); got {seed!r}",
                           "seed")
     try:
@@ -174,35 +196,18 @@ def _common(body: dict, *, max_tokens_default: int | None, max_tokens=...) -> Ge
     except ValueError as exc:
         raise bad_request(str(exc), "stop") from None
     stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
+    if not isinstance(stop_ids, list) or not all(is_int(t) and t >= 0 for t in stop_ids):
         raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")
-    return GenerationRequest(model=model, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
-                             temperature=float(temperature), top_p=float(top_p), top_k=int(top_k or 0), seed=seed,
-                             stop=stop, stop_token_ids=tuple(stop_ids), ignore_eos=_bool(body, "ignore_eos"))
-
-
-def _number(body: dict, name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad_request(f"{name} must be a finite number; got {value!r}", name)
-    return value
-
-
-def _bool(body: dict, name: str, param: str | None = None) -> bool:
-    value = body.get(name)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise bad_request(f"{param or name} must be true or false; got {value!r}", param or name)
-    return value
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _json_kind(value) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), "a number")
+    min_tokens = integer(body, "min_tokens", 0, 0)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({min_tokens}) must not exceed {name} ({max_tokens})", "min_tokens")
+    return GenerationRequest(
+        model=model, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
+        temperature=float(number(body, "temperature", 1.0, 0.0)), top_p=float(number(body, "top_p", 1.0, 0.0, 1.0,
+                                                                                       low_open=True)),
+        top_k=integer(body, "top_k", 0, -1), seed=seed, stop=stop, stop_token_ids=tuple(stop_ids),
+        ignore_eos=boolean(body, "ignore_eos"), n=integer(body, "n", 1, 1, MAX_N), min_tokens=min_tokens,
+        presence_penalty=float(number(body, "presence_penalty", 0.0, -2.0, 2.0)),
+        frequency_penalty=float(number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
+        repetition_penalty=float(number(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY,
+                                        low_open=True)))

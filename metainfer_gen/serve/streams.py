@@ -17,6 +17,8 @@ class StreamEvent:
         finished: last event of the request; ``finish_reason`` is then "stop", "length", "abort" (aborted, e.g.
             the client went away) or "error" (``error`` says why).
         num_prompt_tokens, num_output_tokens: counts so far (usage).
+        logprobs: the :class:`~metainfer_gen.llm.logits_processors.TokenLogprobs` of this step's tokens, when
+            the request asked for them.
     """
 
     text: str
@@ -27,6 +29,7 @@ class StreamEvent:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    logprobs: list = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -37,6 +40,7 @@ class RequestStream:
     num_prompt_tokens: int
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: bool = False
+    _held: list = field(default_factory=list)
 
     def __aiter__(self):
         return self
@@ -44,9 +48,15 @@ class RequestStream:
     async def __anext__(self) -> StreamEvent:
         if self.done:
             raise StopAsyncIteration
-        event = await self._queue.get()
+        event = self._held.pop(0) if self._held else await self._queue.get()
         self.done = event.finished
         return event
+
+    async def wait_first_event(self) -> None:
+        """Wait until the engine sent this request's first event (its prompt is computed), keeping it for the
+        next read."""
+        if not self._held and not self.done:
+            self._held.append(await self._queue.get())
 
 
 def put_all(items: list) -> None:

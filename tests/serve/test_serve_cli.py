@@ -76,3 +76,30 @@ def test_cli_rejects_bad_flags_before_loading(capsys):
         main(["serve", "--max-num-seqs", "0"])
     assert main(["serve", "--api-key", " ", "--port", "0"]) == 2
     assert "api_key" in capsys.readouterr().err
+
+
+def test_vllm_flag_names_and_a_positional_model_reach_the_engine(monkeypatch, tmp_path):
+    from contextlib import contextmanager
+
+    seen = {}
+
+    @contextmanager
+    def no_load(tp, llm, **options):  # record what would be loaded, load nothing
+        seen.update(tp=tp, llm=llm, **options)
+        yield None
+
+    monkeypatch.setattr("metainfer_gen.apps.tp_launch.tensor_parallel_pipeline", no_load)
+    assert main(["serve", str(tmp_path), "--port", "0", "--video", "none", "--tensor-parallel-size", "1",
+                 "--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
+                 "--served-model-name", "ds", "--dtype", "auto", "--kv-cache-dtype", "fp8",
+                 "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching"]) == 0
+    assert seen == {"tp": 1, "llm": str(tmp_path), "max_model_len": 512, "max_num_seqs": 8,
+                    "max_num_batched_tokens": 256, "kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.5,
+                    "enable_prefix_caching": False}
+
+
+def test_positional_model_and_llm_must_agree(capsys):
+    assert main(["serve", "a", "--llm", "b", "--port", "0", "--video", "none"]) == 2
+    assert "disagree" in capsys.readouterr().err
+    assert main(["serve", "--gpu-memory-utilization", "1.5", "--port", "0", "--video", "none"]) == 2
+    assert "(0, 1]" in capsys.readouterr().err

@@ -52,3 +52,18 @@ def test_serve_without_model_flags_serves_both_embedded_models():
     if default_lora_dir() is not None:
         assert config.lora("style_navy.safetensors", 0.5)[1] == 0.5  # the embedded LoRAs, by name
     assert video_serve_config(build_parser().parse_args(["serve", "--video", "none"])) is None
+
+
+def test_models_lists_both_kinds_and_the_schema_covers_both(both):
+    import httpx
+
+    with httpx.Client(base_url=both.base_url.removesuffix("/v1"), timeout=60,
+                      headers={"authorization": "Bearer secret"}) as http:
+        models = http.get("/v1/models").json()["data"]
+        assert {(m["id"], m["kind"]) for m in models} == {(MODEL, "llm"), (both.video.model_name, "video")}
+        assert http.head("/v1/videos").status_code == 200 and http.head("/v1/videos").content == b""
+        paths = http.get("/openapi.json").json()["paths"]
+        body = paths["/v1/videos"]["post"]["requestBody"]["content"]
+        assert {"application/json", "multipart/form-data"} <= set(body)
+        assert "video/mp4" in paths["/v1/videos/{video_id}/content"]["get"]["responses"]["200"]["content"]
+        assert http.get("/v1/videos", params={"limit": "x"}).json()["error"]["param"] == "limit"

@@ -3,6 +3,9 @@ model is), one ``/health`` and one ``/metrics`` covering both, one API key."""
 
 from __future__ import annotations
 
+from metainfer_gen.serve.info_routes import add_info_routes, served_model
+from metainfer_gen.serve.openapi_docs import common_operations, install_schema, llm_operations
+from metainfer_gen.serve.openapi_video import video_operations
 from metainfer_gen.serve.video.metrics import VideoCollector
 from metainfer_gen.serve.video.routes import add_video_routes
 
@@ -50,7 +53,14 @@ def serving_app(front, llm_metrics, settings, video=None):
         async def metrics():
             return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    operations = common_operations()
+    if front is not None:
+        operations.update(llm_operations(settings.model_name, front.engine.model.config.vocab_size))
     if video is not None:
         registry.register(VideoCollector(video))
         add_video_routes(app, video, settings.api_key, settings.max_body_bytes)
+        app.state.models.append(served_model(video.model_name, "video"))
+        operations.update(video_operations(video.model_name))
+    add_info_routes(app, settings.api_key)  # last: its HEAD routes cover every GET route above
+    install_schema(app, operations)
     return app
