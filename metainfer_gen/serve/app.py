@@ -69,9 +69,12 @@ def new_app():
         return JSONResponse(err.body(), status_code=400)
 
     @app.exception_handler(HTTPException)
-    async def _http_error(_, exc: HTTPException):
+    async def _http_error(request, exc: HTTPException):
         err = http_error(exc.status_code, exc.detail if isinstance(exc.detail, str) else None)
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:  # every method of the path (Starlette names only the first route's)
+            headers["Allow"] = ", ".join(sorted(allowed_methods(app, request.scope)))
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=headers or None)
 
     @app.exception_handler(Exception)
     async def _internal(_, exc: Exception):  # never str(exc): it may carry paths
@@ -79,6 +82,17 @@ def new_app():
                                        "internal_server_error"), status_code=500)
 
     return app
+
+
+def allowed_methods(app, scope) -> set[str]:
+    """The methods the routes of ``app`` accept on the path of ``scope``."""
+    from starlette.routing import Match
+
+    matching = [route for route in app.router.routes
+                if getattr(route, "methods", None) and route.matches(scope)[0] is not Match.NONE]
+    literal = [route for route in matching if getattr(route, "path", None) == scope["path"]]
+    # a literal path (/v1/videos/sync) is its own resource, though a templated one (/v1/videos/{id}) matches it too
+    return {method for route in literal or matching for method in route.methods}
 
 
 def build_app(front, metrics, settings: AppSettings, extra_health=None):
@@ -132,12 +146,12 @@ def build_app(front, metrics, settings: AppSettings, extra_health=None):
     async def tokenize(request: Request):
         body = await body_of(request)
         check_model(body.get("model"))
+        add_special = body.get("add_special_tokens", True)
+        if not isinstance(add_special, bool):
+            raise bad_request("add_special_tokens must be true or false", "add_special_tokens")
         if "messages" in body:
             ids = await asyncio.to_thread(chat_token_ids, tokenizer, parse_messages(body))
         elif isinstance(body.get("prompt"), str):
-            add_special = body.get("add_special_tokens", True)
-            if not isinstance(add_special, bool):
-                raise bad_request("add_special_tokens must be true or false", "add_special_tokens")
             ids = await asyncio.to_thread(encode_text, body["prompt"], add_special)
         else:
             raise bad_request("give 'prompt' (a string) or 'messages'", "prompt", "missing_field")

@@ -25,11 +25,16 @@ _ERRORS = {"400": "bad request (the field is in error.param)", "401": "missing o
            "500": "internal error", "503": "not ready or not healthy"}
 
 
+# one server-sent event as schema-driven tools parse it: ``data`` is a JSON chunk or ``[DONE]``
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"},
+                                                                      "event": {"type": "string"}}}
+
+
 def json_response(schema: dict, description: str = "OK", stream: bool = False) -> dict:
     """A response with a JSON body (and an SSE stream with ``stream``)."""
     content = {"application/json": {"schema": schema}}
     if stream:
-        content["text/event-stream"] = {"schema": {"type": "string"}}
+        content["text/event-stream"] = {"schema": _SSE_EVENT}
     return {"description": description, "content": content}
 
 
@@ -40,12 +45,18 @@ MODEL_LIST = json_response({"type": "object", "required": ["object", "data"], "p
 VERSION = json_response({"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}})
 
 
+def _needs(field: str, kind: str, other: str) -> dict:
+    """JSON Schema: a non-null ``field`` (of type ``kind``) needs ``other: true`` (OpenAI's and vLLM's rules)."""
+    return {"if": {"required": [field], "properties": {field: {"type": kind}}},
+            "then": {"required": [other], "properties": {other: {"const": True}}}}
+
+
 def _sampling(vocab_size: int) -> dict:
     stop_string = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
     penalty = {"type": "number", "minimum": -2, "maximum": 2}
     return {
         "stream": {"type": ["boolean", "null"]},
-        "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
+        "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": ["boolean", "null"]}}},
         "max_tokens": {"type": ["integer", "null"], "minimum": 1},
         "temperature": {"type": ["number", "null"], "minimum": 0},
         "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
@@ -88,8 +99,9 @@ def llm_operations(model_name: str, vocab_size: int) -> dict:
                                                            "maximum": vocab_size - 1}}
     text = {"type": "string", "minLength": 1, "pattern": r"\S"}
     model = {"type": ["string", "null"], "enum": [model_name, None]}
-    completion = {"type": "object", "required": ["prompt"], "additionalProperties": False, "properties": {
-        "model": model, "prompt": {"oneOf": [text, token_ids, {"type": "array", "minItems": 1, "maxItems": 4,
+    completion = {"type": "object", "required": ["prompt"], "additionalProperties": False,
+                  "allOf": [_needs("stream_options", "object", "stream")], "properties": {
+        "model": model, "prompt": {"oneOf": [text, token_ids, {"type": "array", "minItems": 1, "maxItems": 64,
                                                                "items": {"oneOf": [text, token_ids]}}]},
         "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS}, **_sampling(vocab_size)}}
     message = {"type": "object", "required": ["role", "content"], "properties": {
@@ -97,18 +109,22 @@ def llm_operations(model_name: str, vocab_size: int) -> dict:
         "content": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["type", "text"],
             "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}}}
-    chat = {"type": "object", "required": ["messages"], "additionalProperties": False, "properties": {
+    chat = {"type": "object", "required": ["messages"], "additionalProperties": False,
+            "allOf": [_needs("stream_options", "object", "stream"), _needs("top_logprobs", "integer", "logprobs")],
+            "properties": {
         "model": model, "messages": {"type": "array", "minItems": 1, "items": message},
         "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1},
         "logprobs": {"type": ["boolean", "null"]},
         "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS},
         **_sampling(vocab_size)}}
-    tokenize = {"type": "object", "properties": {"model": model, "prompt": {"type": "string"},
-                                                 "add_special_tokens": {"type": "boolean"}}}
+    tokenize = {"type": "object", "anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}],
+                "properties": {"model": model, "prompt": {"type": "string"}, "add_special_tokens": {"type": "boolean"},
+                               "messages": {"type": "array", "minItems": 1, "items": message}}}
     tokens = {"type": "object", "required": ["count", "max_model_len", "tokens"],
               "properties": {"count": {"type": "integer"}, "max_model_len": {"type": "integer"},
                              "tokens": {"type": "array", "items": {"type": "integer"}}}}
-    detokenize = {"type": "object", "required": ["tokens"], "properties": {"model": model, "tokens": token_ids}}
+    detokenize = {"type": "object", "required": ["tokens"],
+                  "properties": {"model": model, "tokens": {**token_ids, "minItems": 0}}}
     return {
         ("/v1/completions", "post"): _operation(completion, json_response(_answer(False), stream=True)),
         ("/v1/chat/completions", "post"): _operation(chat, json_response(_answer(True), stream=True)),
@@ -162,6 +178,9 @@ def _merge(operation: dict, extra: dict, head: bool) -> None:
     for code, description in _ERRORS.items():
         responses.setdefault(code, json_response(ERROR, description))
     responses.update(extra.get("responses", {}))
+    for parameter in operation.get("parameters", []):  # the checks' bounds on typed query parameters
+        if parameter["name"] in extra.get("parameters", {}):
+            parameter["schema"] = extra["parameters"][parameter["name"]]
     if "requestBody" in extra:
         operation["requestBody"] = extra["requestBody"]
     if head:

@@ -5,6 +5,7 @@ OpenAI's ``Video`` object, merged by :func:`~metainfer_gen.serve.openapi_docs.in
 from __future__ import annotations
 
 from metainfer_gen.serve.openapi_docs import json_body, json_response
+from metainfer_gen.serve.video.routes import MAX_LIST
 
 _VIDEO = {"type": "object", "required": ["id", "object", "created_at", "status", "model", "size", "seconds", "prompt"],
           "properties": {"id": {"type": "string"}, "object": {"const": "video"}, "created_at": {"type": "integer"},
@@ -44,8 +45,11 @@ def video_operations(model_name: str) -> dict:
         ("/v1/videos", "post"): {"requestBody": body, "responses": {"200": json_response(_VIDEO)}},
         ("/v1/videos/sync", "post"): {"requestBody": body, "responses": {"200": _MP4, "409": json_response(
             {"type": "object"}, "the job was cancelled")}},
-        ("/v1/videos", "get"): {"responses": {"200": json_response(listing)}},
+        ("/v1/videos", "get"): {"responses": {"200": json_response(listing)},
+                                "parameters": {"limit": {"type": "integer", "minimum": 1, "maximum": MAX_LIST},
+                                               "order": {"enum": ["desc"]}}},
         ("/v1/videos/{video_id}", "get"): {"responses": {"200": json_response(_VIDEO)}},
-        ("/v1/videos/{video_id}/content", "get"): {"responses": {"200": _MP4}},
+        ("/v1/videos/{video_id}/content", "get"): {"responses": {"200": _MP4},
+                                                   "parameters": {"variant": {"enum": ["video"]}}},
         ("/v1/videos/{video_id}", "delete"): {"responses": {"200": json_response(deleted)}},
     }

@@ -30,10 +30,10 @@ UNSUPPORTED = {
              "web_search_options": (None,), "min_p": (None, 0), "include_stop_str_in_output": (None, False),
              "skip_special_tokens": (None, True)},
 }
-# OpenAI's fields that change no output here: accepted, not used.
-IGNORED = {"completions": {"user"},
-           "chat": {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-                    "safety_identifier"}}
+# OpenAI's fields that change no output here: accepted (of their type, or null), not used.
+_BOOKKEEPING = {"user": str, "metadata": dict, "store": bool, "service_tier": str, "parallel_tool_calls": bool,
+                "prompt_cache_key": str, "safety_identifier": str}
+IGNORED = {"completions": {"user": str}, "chat": _BOOKKEEPING}
 
 
 def check_fields(body: dict, endpoint: str) -> None:
@@ -44,7 +44,12 @@ def check_fields(body: dict, endpoint: str) -> None:
     """
     unsupported = UNSUPPORTED[endpoint]
     for name, value in body.items():
-        if name in IMPLEMENTED[endpoint] or name in IGNORED[endpoint]:
+        if name in IMPLEMENTED[endpoint]:
+            continue
+        if name in IGNORED[endpoint]:
+            kind = IGNORED[endpoint][name]
+            if value is not None and not isinstance(value, kind):
+                raise bad_request(f"{name} must be {json_kind(kind())} or null; got {json_kind(value)}", name)
             continue
         if name in unsupported:
             if value not in unsupported[name]:

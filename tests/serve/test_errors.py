@@ -65,6 +65,7 @@ def test_a_field_of_the_other_endpoint_is_unknown_here(http):
     ("repetition_penalty", 0, "(0, 100]"), ("min_tokens", 3, "must not exceed max_tokens"),
     ("min_tokens", -1, ">= 0"), ("echo", True, "not supported"), ("best_of", 3, "not supported"),
     ("max_token", 3, "unknown field 'max_token'"), ("stop_token_ids", [-1], "list of token ids"),
+    ("user", {}, "must be a string or null"),
 ])
 def test_bad_fields(client, http, field, value, words):
     # vLLM's extras and unknown fields travel in extra_body (the openai client has no argument for them)

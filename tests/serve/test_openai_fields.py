@@ -139,3 +139,15 @@ def test_version_docs_and_schema(http):
     assert {"n", "logprobs", "min_tokens", "repetition_penalty", "stop_token_ids"} <= set(body["properties"])
     assert body["additionalProperties"] is False and "400" in completion["responses"]
     assert "head" in schema["paths"]["/v1/models"]
+
+
+def test_every_bound_of_the_schema_is_accepted(http):
+    """The schema's minimum and maximum of each field are answered 200 (the schema and the checks agree)."""
+    schema = http.get("/openapi.json").json()["paths"]["/v1/completions"]["post"]
+    properties = schema["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    bounds = [(name, spec[key]) for name, spec in properties.items() for key in ("minimum", "maximum") if key in spec]
+    assert len(bounds) >= 15
+    for name, value in bounds:
+        body = {"prompt": PROMPT, "max_tokens": 1, name: value}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, (name, value, response.text)

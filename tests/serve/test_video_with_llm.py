@@ -67,3 +67,5 @@ def test_models_lists_both_kinds_and_the_schema_covers_both(both):
         assert {"application/json", "multipart/form-data"} <= set(body)
         assert "video/mp4" in paths["/v1/videos/{video_id}/content"]["get"]["responses"]["200"]["content"]
         assert http.get("/v1/videos", params={"limit": "x"}).json()["error"]["param"] == "limit"
+        refused = http.put("/v1/videos")  # 405 names every method of the path, not only the first route's
+        assert refused.status_code == 405 and refused.headers["allow"] == "GET, HEAD, POST"
