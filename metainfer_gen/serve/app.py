@@ -19,6 +19,7 @@ from metainfer_gen.serve.generation import generate
 from metainfer_gen.serve.http_io import DEFAULT_MAX_BODY_BYTES, check_api_key, read_json
 from metainfer_gen.serve.info_routes import served_model
 from metainfer_gen.serve.protocol import parse_chat_request, parse_completion_request, parse_messages
+from metainfer_gen.serve.request_fields import is_int
 
 
 @dataclass(slots=True)
@@ -149,6 +150,8 @@ def build_app(front, metrics, settings: AppSettings, extra_health=None):
         add_special = body.get("add_special_tokens", True)
         if not isinstance(add_special, bool):
             raise bad_request("add_special_tokens must be true or false", "add_special_tokens")
+        if body.get("prompt") is not None and not isinstance(body["prompt"], str):
+            raise bad_request("prompt must be a string", "prompt")
         if "messages" in body:
             ids = await asyncio.to_thread(chat_token_ids, tokenizer, parse_messages(body))
         elif isinstance(body.get("prompt"), str):
@@ -163,10 +166,9 @@ def build_app(front, metrics, settings: AppSettings, extra_health=None):
         check_model(body.get("model"))
         ids = body.get("tokens")
         vocab = engine.model.config.vocab_size
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                                                for t in ids):
+        if not isinstance(ids, list) or not all(is_int(t) and 0 <= t < vocab for t in ids):
             raise bad_request(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
-        return {"prompt": tokenizer.decode(ids)}
+        return {"prompt": tokenizer.decode([int(t) for t in ids])}
 
     @app.get("/health")
     async def health():

@@ -72,7 +72,7 @@ def _sampling(vocab_size: int) -> dict:
         "repetition_penalty": {"type": ["number", "null"], "exclusiveMinimum": 0,
                                "maximum": MAX_REPETITION_PENALTY},
         "min_tokens": {"type": ["integer", "null"], "minimum": 0},
-        "user": {"type": "string"},
+        "user": {"type": ["string", "null"]},
     }
 
 

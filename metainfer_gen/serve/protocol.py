@@ -182,6 +182,8 @@ def _common(body: dict, *, max_tokens_default: int | None, max_tokens=...) -> Ge
         max_tokens = max_tokens_default
     elif not is_int(max_tokens) or max_tokens < 1:
         raise bad_request(f"{name} must be an integer >= 1; got {max_tokens!r}", name)
+    else:
+        max_tokens = int(max_tokens)
     stream = boolean(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
@@ -191,6 +193,7 @@ def _common(body: dict, *, max_tokens_default: int | None, max_tokens=...) -> Ge
     if seed is not None and (not is_int(seed) or not -2**63 <= seed < 2**64):
         raise bad_request(f"seed must be an integer in [-2**63, 2**64) (a 64-bit generator seed); got {seed!r}",
                           "seed")
+    seed = None if seed is None else int(seed)
     try:
         stop = check_stop_strings(body.get("stop"))
     except ValueError as exc:
@@ -205,7 +208,7 @@ def _common(body: dict, *, max_tokens_default: int | None, max_tokens=...) -> Ge
         model=model, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
         temperature=float(number(body, "temperature", 1.0, 0.0)), top_p=float(number(body, "top_p", 1.0, 0.0, 1.0,
                                                                                        low_open=True)),
-        top_k=integer(body, "top_k", 0, -1), seed=seed, stop=stop, stop_token_ids=tuple(stop_ids),
+        top_k=integer(body, "top_k", 0, -1), seed=seed, stop=stop, stop_token_ids=tuple(int(t) for t in stop_ids),
         ignore_eos=boolean(body, "ignore_eos"), n=integer(body, "n", 1, 1, MAX_N), min_tokens=min_tokens,
         presence_penalty=float(number(body, "presence_penalty", 0.0, -2.0, 2.0)),
         frequency_penalty=float(number(body, "frequency_penalty", 0.0, -2.0, 2.0)),

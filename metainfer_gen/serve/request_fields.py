@@ -83,7 +83,7 @@ def integer(body: dict, name: str, default: int | None, low: int, high: int | No
     if not is_int(value) or value < low or (high is not None and value > high):
         bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise bad_request(f"{name} must be an integer {bounds}; got {value!r}", name)
-    return value
+    return int(value)
 
 
 def boolean(body: dict, name: str, param: str | None = None) -> bool:
@@ -97,7 +97,10 @@ def boolean(body: dict, name: str, param: str | None = None) -> bool:
 
 
 def is_int(value) -> bool:
-    """True for a JSON integer (``True`` / ``False`` are not)."""
+    """True for a JSON integer: an int, or a float with no fraction (JSON Schema's ``1.0`` is an integer);
+    ``True`` / ``False`` are not. Read the value with ``int()``."""
+    if isinstance(value, float):
+        return value.is_integer()
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -151,3 +151,6 @@ def test_every_bound_of_the_schema_is_accepted(http):
         body = {"prompt": PROMPT, "max_tokens": 1, name: value}
         response = http.post("/v1/completions", json=body)
         assert response.status_code == 200, (name, value, response.text)
+    # JSON Schema's integers include 1.0: so do the checks
+    integral = http.post("/v1/completions", json={"prompt": [5.0, 6], "max_tokens": 2.0, "n": 2.0, "seed": 3.0})
+    assert integral.status_code == 200 and len(integral.json()["choices"]) == 2, integral.text
