@@ -74,6 +74,7 @@ async def generate(front, request, req: GenerationRequest, prompts_ids: list[lis
     Raises:
         APIError: 400 for a prompt too long for the context or the KV pool, or token ids outside the vocabulary.
     """
+    _check_token_ids(prompts_ids, front.engine.model.config.vocab_size, req)
     params = [[sampling_params(req, len(ids), max_model_len, j) for j in range(req.n)] for ids in prompts_ids]
     chat = req.messages is not None
     fmt = ResponseFormat(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model_name, int(time.time()),
@@ -87,6 +88,15 @@ async def generate(front, request, req: GenerationRequest, prompts_ids: list[lis
     if req.stream:
         return _stream(front, streams, fmt, watcher, logprobs, num_prompt_tokens)
     return await _collect(front, streams, fmt, watcher, logprobs, num_prompt_tokens)
+
+
+def _check_token_ids(prompts_ids: list[list[int]], vocab_size: int, req: GenerationRequest) -> None:
+    """Token ids outside the vocabulary are a 400 before anything is queued (the detokenizer would fail on them)."""
+    for i, ids in enumerate(prompts_ids):
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            where = "messages" if req.messages is not None else "prompt" if len(prompts_ids) == 1 else f"prompt[{i}]"
+            raise bad_request(f"{where}: token ids must be in [0, {vocab_size}); got min {min(ids)}, max {max(ids)}",
+                              where)
 
 
 async def _add_all(front, req: GenerationRequest, prompts_ids, params, request_id: str) -> list:

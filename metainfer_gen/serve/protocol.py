@@ -198,7 +198,7 @@ def _common(body: dict, *, max_tokens_default: int | None, max_tokens=...) -> Ge
         stop = check_stop_strings(body.get("stop"))
     except ValueError as exc:
         raise bad_request(str(exc), "stop") from None
-    stop_ids = body.get("stop_token_ids") or []
+    stop_ids = [] if body.get("stop_token_ids") is None else body["stop_token_ids"]
     if not isinstance(stop_ids, list) or not all(is_int(t) and t >= 0 for t in stop_ids):
         raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")
     min_tokens = integer(body, "min_tokens", 0, 0)

@@ -65,6 +65,7 @@ def test_a_field_of_the_other_endpoint_is_unknown_here(http):
     ("repetition_penalty", 0, "(0, 100]"), ("min_tokens", 3, "must not exceed max_tokens"),
     ("min_tokens", -1, ">= 0"), ("echo", True, "not supported"), ("best_of", 3, "not supported"),
     ("max_token", 3, "unknown field 'max_token'"), ("stop_token_ids", [-1], "list of token ids"),
+    ("stop_token_ids", {}, "list of token ids"),
     ("user", {}, "must be a string or null"),
 ])
 def test_bad_fields(client, http, field, value, words):
@@ -109,6 +110,8 @@ def test_prompt_too_large_for_the_kv_pool(http, server):
                         "KV cache")
     assert f"pool holds {capacity}" in error["message"] and str(max_tokens) in error["message"]
     check_error(http.post("/v1/completions", json=dict(GOOD, prompt=[5, 100000])), 400, "prompt", "[0, 512)")
+    check_error(http.post("/v1/completions", json=dict(GOOD, prompt=[-3])), 400, "prompt", "[0, 512)")
+    check_error(http.post("/v1/completions", json=dict(GOOD, prompt=["a", [7, -1]])), 400, "prompt[1]", "[0, 512)")
     wait_idle(server)
     assert free_blocks(server)[0] == free_blocks(server)[1]
     check_next_good(http)
