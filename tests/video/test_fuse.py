@@ -131,7 +131,7 @@ def test_a_processor_swapped_after_fusing_falls_back_and_is_audited(no_interpret
 def test_audit_of_a_pipeline_call_lists_the_paths_taken(no_interpret, tiny_wan_dir):
     from metainfer_gen.pipelines import TextToVideoPipeline
 
-    pipe = TextToVideoPipeline.from_pretrained(tiny_wan_dir, device="cpu")
+    pipe = TextToVideoPipeline.from_pretrained(tiny_wan_dir, device="cpu", embed_memo=False)  # a bare transformer
     pipe.set_progress_bar_config(disable=True)
     transformer = pipe.transformers[0]
     expected = pipe("a red circle", num_frames=5, height=32, width=32, num_inference_steps=2, seed=0).frames
