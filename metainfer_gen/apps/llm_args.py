@@ -20,7 +20,7 @@ def add_llm_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "dtype)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps eagerly: no compiled decode graph on the CPU (built per batch size at "
-                        "start-up, seconds each), no CUDA graphs on a GPU (vLLM's flag)")
+                        "start-up, tens of seconds each), no CUDA graphs on a GPU (vLLM's flag)")
 
 
 def add_tp_argument(p: argparse.ArgumentParser) -> None:
