@@ -23,6 +23,7 @@ BUILTIN_KERNEL_MODULES: list[str] = [
     "metainfer_gen.kernels.indexer",
     "metainfer_gen.kernels.sparse_attention",
     "metainfer_gen.kernels.paged_mla",
+    "metainfer_gen.kernels.block_attention",
     "metainfer_gen.kernels.gemm",
     "metainfer_gen.kernels.moe",
     "metainfer_gen.kernels.conv",

@@ -5,12 +5,15 @@ formulas (:mod:`metainfer_gen.llm.plan_model`), so the prediction follows the co
 
 from __future__ import annotations
 
-__all__ = ["ABSORBED_COST_FACTOR", "DECODE_GROUP_ROWS", "PREFILL_SCORE_BUDGET", "absorbed_is_cheaper",
+__all__ = ["ABSORBED_COST_FACTOR", "DECODE_GROUP_ROWS", "PREFILL_SCORE_BUDGET", "QUERY_BLOCK", "absorbed_is_cheaper",
            "decode_group_tokens", "key_chunk"]
 
 # float32 scores (heads x queries x keys) one prefill chunk may hold: 2^22 = 16 MiB; the fused kernel holds less.
 PREFILL_SCORE_BUDGET = 1 << 22
-MIN_KEY_CHUNK = 256  # fewer keys per chunk cost more in per-call overhead than they save in memory
+MIN_KEY_CHUNK = 256
+# kernels.block_attention.QUERY_BLOCK, repeated so the planner needs no torch (tests/kernels/test_block_attention.py
+# checks they agree): queries whose float32 scores the CPU's bf16 prefill path holds at once, per chunk of keys.
+QUERY_BLOCK = 128  # fewer keys per chunk cost more in per-call overhead than they save in memory
 
 # kernels.paged_mla.DECODE_GROUP_ROWS, repeated here so the planner needs no torch (tests/llm/test_mla_prefill.py
 # checks they agree): context rows the torch decode path gathers per group of blocks, over the whole batch.

@@ -12,8 +12,9 @@ tokens (q, cache row), then for size steps works on the block it holds and passe
 neighbours, overlapped with the work on the current block). Ring Attention: Liu et al. 2023, arXiv:2310.01889.
 
 - MLA (DeepSeek-V3): the block is the latent rows ``[c_kv, k_pe]``; each rank attends in the expanded form, per
-  query tile over the keys the tile can see (PyTorch's fused CPU flash kernel where it applies, which returns the
-  log-sum-exp), and merges partial results by log-sum-exp (online softmax), so no rank holds all scores.
+  query tile over the keys the tile can see (the ``block_attention`` kernel: bf16 bmm blocks or PyTorch's fused
+  CPU flash kernel, each returning the log-sum-exp), and merges partial results by log-sum-exp (online softmax),
+  so no rank holds all scores.
 - DSA (DeepSeek-V3.2, sparse top-k): a query may only attend to the ``index_topk`` keys the lightning indexer
   ranks highest over its *whole* causal prefix, which spans every rank. So the layer runs two rings: the first
   carries the indexer keys, and each rank keeps a running top-k (scores and positions) per query, merging each
@@ -151,7 +152,7 @@ class _RunningTopK:
         self.positions[lo:hi] = torch.where(torch.isinf(best.values), -1, cand_pos.gather(1, best.indices))
 
 
-def _dense_attention(attn, q_nope, q_pe, pos, rows, cp, tile, pad_to, fused: bool = True) -> torch.Tensor:
+def _dense_attention(attn, q_nope, q_pe, pos, rows, cp, tile, pad_to) -> torch.Tensor:
     """MLA over the whole causal prefix: ring of latent rows (n, r + dr), expanded form per block (keys
     ``[k_nope, k_pe]`` per head), log-sum-exp merge. Returns (n, N, dv)."""
     heads = attn.num_heads
@@ -173,7 +174,7 @@ def _dense_attention(attn, q_nope, q_pe, pos, rows, cp, tile, pad_to, fused: boo
                 if stop > start:
                     state.update((slice(None), slice(lo, hi)),
                                  *block_attention(query[:, lo:hi], key[:, start:stop], v[:, start:stop],
-                                                  attn.softmax_scale, mask, fused))
+                                                  attn.softmax_scale, mask))
 
     _ring(rows, pos, cp, pad_to, visit)
     return state.result().permute(1, 0, 2)

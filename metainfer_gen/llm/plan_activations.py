@@ -10,7 +10,7 @@ chunk at a time (:mod:`metainfer_gen.llm.attention_chunks`), so past one chunk t
 
 from __future__ import annotations
 
-from metainfer_gen.llm.attention_chunks import absorbed_is_cheaper, decode_group_tokens, key_chunk
+from metainfer_gen.llm.attention_chunks import QUERY_BLOCK, absorbed_is_cheaper, decode_group_tokens, key_chunk
 from metainfer_gen.llm.plan_model import ModelDims
 
 __all__ = ["ATTENTION_MODES", "decode_activation_bytes", "prefill_activation_bytes", "worst_step_activation_bytes"]
@@ -77,7 +77,8 @@ def prefill_activation_bytes(d: ModelDims, num_tokens: int, context: int, attn_t
             # output and its slice (the diagonal uses the kernel's own causal mask); past one chunk the merge state.
             # Coefficients checked against the engine's tracker on the test models (tests/llm/test_kv_sizing.py).
             attn += b * (chunk * (d.latent_row + heads * (d.qk_nope + d.v_head)) + 2 * n * heads * (dq + width)) \
-                + (4 * n * heads * (d.v_head + 1) if chunk < context else 0)
+                + (4 * n * heads * (d.v_head + 1) if chunk < context else 0) \
+                + (heads * min(n, QUERY_BLOCK) * chunk * (4 + b) if b < 4 else 0)  # bf16: scores, probabilities
     else:
         attn += b * context * (d.latent_row + heads * (2 * d.qk_nope + d.v_head))
         if attention == "materialised":

@@ -124,23 +124,3 @@ def test_cp2_prefill_then_tp2_engine_decode(cp_runs, name):
         assert out["tp"]["tokens"] == expected, rank
         assert out["tp"]["local_heads"] == 2  # 4 heads split over TP=2: the decode layout is not the prefill's
         assert out["tp"]["free_blocks"] == out["tp"]["num_blocks"]  # the adopted request released its blocks
-
-
-@pytest.mark.parametrize("masked", [False, True])
-def test_fused_block_attention_equals_the_math(masked):
-    """The fused CPU kernel (v narrower than q, padded) against matmul + softmax, with fully masked queries."""
-    from metainfer_gen.llm.layers.online_softmax import block_attention as _block_attention
-
-    torch.manual_seed(1)
-    q, k, v = torch.randn(4, 9, 24), torch.randn(4, 13, 24), torch.randn(4, 13, 16)
-    mask = (torch.rand(9, 13) > 0.4) if masked else None
-    if masked:
-        mask[2] = False  # sees no key of this block: lse -inf, no weight in the merge
-    out, lse = _block_attention(q, k, v, 0.3, mask)
-    ref_out, ref_lse = _block_attention(q, k, v, 0.3, mask, fused=False)
-    assert out.shape == (4, 9, 16)
-    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-5)
-    seen = slice(None) if mask is None else mask.any(-1)
-    torch.testing.assert_close(out[:, seen], ref_out[:, seen], rtol=0, atol=1e-5)
-    if masked:
-        assert torch.isinf(lse[:, 2]).all()

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["LSEMerge", "block_attention", "flash_cpu", "softmax_parts"]
+from metainfer_gen.kernels.block_attention import block_attention  # noqa: F401  (the blocks' inner step)
+
+__all__ = ["LSEMerge", "block_attention", "softmax_parts"]
 
 
 class LSEMerge:
@@ -47,39 +49,3 @@ def softmax_parts(scores: torch.Tensor, v: torch.Tensor, equation: str) -> tuple
     lse = scores.logsumexp(-1)
     p = torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
     return torch.einsum(equation, p, v.float()), lse
-
-
-def flash_cpu(q, k, v, scale: float, mask: torch.Tensor | None, causal: bool = False):
-    """PyTorch's fused CPU flash attention with its log-sum-exp (the kernel ``scaled_dot_product_attention``
-    runs on the CPU), or None where it does not apply (another device or dtype, or no such op in this torch).
-    q (N, t, dq), k (N, s, dq), v (N, s, dv), mask (t, s) bool or None, ``causal``: query i sees keys 0..i (the
-    kernel's own mask, top-left aligned, no mask tensor) -> (out (N, t, dv), lse (N, t) float32)."""
-    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if op is None or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    width = max(q.shape[-1], v.shape[-1])  # the kernel needs one head size: zero columns change nothing
-    pad = lambda x: x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))  # noqa: E731
-    bias = None if mask is None else torch.where(mask, 0.0, float("-inf")).to(q.dtype)
-    out, lse = op(pad(q)[None], pad(k)[None], pad(v)[None], 0.0, causal,
-                  attn_mask=None if bias is None else bias[None, None], scale=scale)
-    return out[0, ..., : v.shape[-1]], lse[0].float()
-
-
-def block_attention(q, k, v, scale: float, mask: torch.Tensor | None, fused: bool = True, causal: bool = False):
-    """Attention of queries q (N, t, dq) over one block's keys k (N, s, dq) and values v (N, s, dv); mask (t, s)
-    bool (True = visible) or None for all visible; ``causal`` (with mask None): query i sees keys 0..i. Returns
-    (out (N, t, dv), lse (N, t) float32, -inf for a query that sees no key). ``fused`` uses :func:`flash_cpu` where
-    it applies (about 5x faster than the unfused math on one CPU thread, same values to float32 rounding), else
-    matmul + softmax."""
-    parts = flash_cpu(q, k, v, scale, mask, causal) if fused else None
-    if parts is None:
-        if causal:
-            mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
-        scores = torch.einsum("ntd,nsd->nts", q, k).float() * scale
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        return softmax_parts(scores, v, "nts,nsd->ntd")
-    out, lse = parts
-    if mask is not None:  # the kernel reports lse 0 and output 0 for a fully masked query
-        lse = lse.masked_fill(~mask.any(-1), float("-inf"))
-    return out, lse

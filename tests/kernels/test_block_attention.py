@@ -1,0 +1,73 @@
+"""Prefill attention over one block of keys: every path against the whole-matrix reference, and the path choice."""
+
+import pytest
+import torch
+
+from metainfer_gen import platform
+from metainfer_gen.kernels import block_attention as ba
+from metainfer_gen.kernels.audit_log import audit
+from metainfer_gen.llm import attention_chunks
+
+BF16_CPU = platform.Capabilities(device_kind=platform.DeviceKind.CPU, bf16=True, cpu_matrix="avx512_bf16",
+                                 cpu_capability="AVX512")
+PLAIN_CPU = platform.Capabilities(device_kind=platform.DeviceKind.CPU, bf16=False, cpu_matrix="",
+                                  cpu_capability="AVX512")
+
+
+def _inputs(t, s, dtype, seed=0):
+    torch.manual_seed(seed)
+    q, k = torch.randn(4, t, 24, dtype=dtype), torch.randn(4, s, 24, dtype=dtype)
+    return q, k, torch.randn(4, s, 16, dtype=dtype)  # v narrower than q and k, as MLA's
+
+
+def _masks(t, s):
+    mask = torch.rand(t, s, generator=torch.Generator().manual_seed(3)) > 0.4
+    mask[2] = False  # a query that sees no key of this block: lse -inf, output 0
+    return [dict(), dict(causal=True), dict(mask=mask)]
+
+
+@pytest.mark.parametrize("impl", ["bmm-blocks", "flash-cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,s", [(9, 13), (300, 300), (300, 170), (140, 420)])
+def test_each_path_equals_the_whole_matrix(impl, dtype, t, s):
+    """Query blocks of 128 split the 300- and 140-query cases, causal with fewer and with more keys than queries;
+    float32 to 1e-5, bf16 to its rounding of scores and probabilities."""
+    q, k, v = _inputs(t, s, dtype)
+    fn = ba.BLOCK_ATTENTION.implementation(impl).fn
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for kwargs in _masks(t, s):
+        out, lse = fn(q, k, v, 0.3, **kwargs)
+        ref_out, ref_lse = ba.block_attention_reference(q.float(), k.float(), v.float(), 0.3, **kwargs)
+        assert out.dtype == dtype and out.shape == (4, t, 16) and lse.dtype == torch.float32
+        seen = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), seen)
+        torch.testing.assert_close(lse[seen], ref_lse[seen], rtol=0, atol=tol)
+        torch.testing.assert_close(out.float(), ref_out, rtol=0, atol=tol)
+        if "mask" in kwargs:
+            assert torch.isinf(lse[:, 2]).all() and (out[:, 2] == 0).all()
+
+
+def test_the_path_follows_the_dtype_and_the_cpu_flags():
+    q, k, v = _inputs(16, 16, torch.bfloat16)
+    with platform.override_capabilities(BF16_CPU):
+        assert ba.BLOCK_ATTENTION.select(q, k, v, 0.3)[0].name == "bmm-blocks"
+        impl, (refusal,) = ba.BLOCK_ATTENTION.select(q.float(), k.float(), v.float(), 0.3)
+        assert impl.name == "flash-cpu" and "float32" in refusal.reason and "--dtype bfloat16" in refusal.reason
+    with platform.override_capabilities(PLAIN_CPU):
+        impl, (refusal,) = ba.BLOCK_ATTENTION.select(q, k, v, 0.3)
+        assert impl.name == "flash-cpu" and "emulate" in refusal.reason
+
+
+def test_dispatch_is_audited_and_checks_shapes():
+    q, k, v = _inputs(8, 8, torch.float32)
+    with audit() as report:
+        ba.block_attention(q, k, v, 0.3, causal=True, site="test.prefill")
+    assert any(e.site == "test.prefill" and e.op == "block_attention" for e in report.entries)
+    with pytest.raises(ValueError, match="not both"):
+        ba.block_attention(q, k, v, 0.3, torch.ones(8, 8, dtype=torch.bool), causal=True)
+    with pytest.raises(ValueError, match="block_attention needs"):
+        ba.block_attention(q, k[:, :, :8], v, 0.3)
+
+
+def test_the_planner_reads_the_kernels_query_block():
+    assert attention_chunks.QUERY_BLOCK == ba.QUERY_BLOCK
