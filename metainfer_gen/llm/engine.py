@@ -190,21 +190,21 @@ class LLMEngine:
         return report
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler step + forward. Returns an output for every request that got a token this step."""
+        """One scheduler step + forward: an output per request that got a token, or whose row failed (it alone)."""
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
         with self.compile_guard():
-            sampled = self.runner.run(out)
-        now = time.perf_counter()
-        finished = {s.seq_id for s in self.scheduler.update(out, sampled, now, self.runner.last_logprobs)}
+            sampled, runner = self.runner.run(out), self.runner
+        finished = {s.seq_id for s in self.scheduler.update(out, sampled, time.perf_counter(), runner.last_logprobs,
+                                                            runner.last_errors)}
         outputs = []
         for item in out.scheduled:
             seq = item.seq
-            if seq.seq_id not in sampled:
+            if seq.seq_id not in sampled and seq.seq_id not in finished:  # (finished unsampled: its row failed)
                 continue
-            outputs.append(RequestOutput.from_sequence(seq, [sampled[seq.seq_id]], self._detokenize(seq)
-                                                       if seq.seq_id in finished else ""))
+            outputs.append(RequestOutput.from_sequence(seq, [sampled[seq.seq_id]] if seq.seq_id in sampled else [],
+                                                       self._detokenize(seq) if seq.seq_id in finished else ""))
             if seq.seq_id in finished:
                 self._requests.pop(seq.request_id, None)
                 self.runner.release(seq)

@@ -8,12 +8,16 @@ buffers, CUDA graphs), which lives in its own module; tensor parallelism stays o
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from metainfer_gen.llm.attention_metadata import AttentionMetadata
 from metainfer_gen.llm.logits_processors import apply_penalties, compute_logprobs, mask_early_stops
 from metainfer_gen.llm.sampler import sample
 from metainfer_gen.llm.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 
 def kv_cache_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -34,7 +38,8 @@ class ModelRunner:
             ``max_num_seqs`` and ``max_model_len``); ``cuda_graphs`` replays them as CUDA graphs,
             ``compiled_decode`` runs them as one compiled graph per batch size (CPU).
         eos_token_ids: the tokens ``min_tokens`` keeps from being sampled early (with each request's stop tokens).
-    After each :meth:`run`, ``last_logprobs`` maps ``seq_id`` to the :class:`TokenLogprobs` of the rows that asked.
+    After each :meth:`run`, ``last_logprobs`` maps ``seq_id`` to the :class:`TokenLogprobs` of the rows that asked,
+    and ``last_errors`` ``seq_id`` to why that row got no token.
     """
 
     def __init__(self, model, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
@@ -43,6 +48,7 @@ class ModelRunner:
         self.model = model
         self.eos_token_ids = tuple(eos_token_ids)
         self.last_logprobs: dict = {}
+        self.last_errors: dict[int, str] = {}
         self.block_size = block_size
         self.device = device
         sink = 1 if compiled_decode else 0  # a block past the pool: the padding rows of compiled steps write there
@@ -95,14 +101,43 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> dict[int, int]:
         """Forward the step, apply penalties and ``min_tokens``, sample; returns ``seq_id -> token`` for the
-        sequences that sample (and sets ``last_logprobs``, from the logits before penalties and temperature)."""
+        sequences that sample (and sets ``last_logprobs``, from the logits before penalties and temperature).
+
+        A row that cannot be sampled (its logits are not finite, or computing its row raised) gets no token: its
+        ``seq_id`` is in ``last_errors`` with the reason, and every other row is sampled as if it were alone.
+        """
         logits, rows = self.forward_logits(out)
-        self.last_logprobs = {}
+        self.last_logprobs, self.last_errors = {}, {}
         if not rows:
             return {}
         seqs = [out.scheduled[i].seq for i in rows]
+        generators = [None if s.params.greedy else self.generator_for(s) for s in seqs]
+        states = {id(g): (g, g.get_state()) for g in generators if g is not None}
+        try:
+            tokens, errors, self.last_logprobs = self._sample(logits, seqs, generators)
+        except Exception:  # one row broke the batched computation: sample row by row to find it
+            log.exception("sampling a batch of %d rows failed; sampling them one by one", len(seqs))
+            for g, state in states.values():  # each row draws as it would have in the batch
+                g.set_state(state)
+            tokens, errors = [], {}
+            for i, seq in enumerate(seqs):
+                try:
+                    token, row_errors, logprobs = self._sample(logits[i:i + 1], [seq], generators[i:i + 1])
+                except Exception as exc:
+                    log.exception("sampling request %s failed", seq.request_id)
+                    token, row_errors, logprobs = [-1], {0: f"sampling failed ({type(exc).__name__}); the "
+                                                           f"server's log has the details"}, {}
+                tokens += token
+                errors.update({i: row_errors[0]} if row_errors else {})
+                self.last_logprobs.update(logprobs)
+        self.last_errors = {seqs[i].seq_id: reason for i, reason in errors.items()}
+        return {s.seq_id: t for i, (s, t) in enumerate(zip(seqs, tokens)) if i not in errors}
+
+    def _sample(self, logits: torch.Tensor, seqs: list, generators: list) -> tuple[list[int], dict, dict]:
+        """(tokens, row -> error, seq_id -> TokenLogprobs) for the rows of ``logits`` (one per ``seqs``)."""
         processed = mask_early_stops(apply_penalties(logits, seqs), seqs, self.eos_token_ids)
-        tokens = sample(processed, [s.params for s in seqs],
-                        [None if s.params.greedy else self.generator_for(s) for s in seqs])
-        self.last_logprobs = compute_logprobs(logits, tokens, seqs)
-        return {s.seq_id: t for s, t in zip(seqs, tokens)}
+        sampled = sample(processed, [s.params for s in seqs], generators)
+        ok = [i for i in range(len(seqs)) if i not in sampled.errors]
+        rows = logits if len(ok) == len(seqs) else logits[ok]
+        logprobs = compute_logprobs(rows, [sampled.tokens[i] for i in ok], [seqs[i] for i in ok]) if ok else {}
+        return sampled.tokens, sampled.errors, logprobs

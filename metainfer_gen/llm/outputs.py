@@ -16,7 +16,7 @@ class RequestOutput:
         prompt_token_ids, token_ids: prompt and generated token ids.
         text: decoded ``token_ids`` when the engine has a tokenizer, else "".
         finished: True once the request ended; ``finish_reason`` then says why ("stop", "length", "error").
-        error: why the request was refused (``finish_reason`` "error"), else None.
+        error: why the request was refused or failed (``finish_reason`` "error"), else None.
         new_token_ids: tokens added by the step that produced this output (streaming).
         ttft: seconds from arrival to the first token; mean_token_latency: seconds per later token (TPOT).
         num_cached_tokens: prompt tokens served from the prefix cache; num_preemptions: times recomputed.
@@ -46,7 +46,7 @@ class RequestOutput:
                    token_ids=seq.output_token_ids, finished=seq.is_finished, finish_reason=seq.finish_reason,
                    text=text, new_token_ids=new_token_ids, ttft=seq.ttft, mean_token_latency=seq.mean_token_latency,
                    num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions,
-                   logprobs=seq.logprobs, new_logprobs=new_logprobs)
+                   logprobs=seq.logprobs, new_logprobs=new_logprobs, error=seq.error)
 
     @classmethod
     def refused(cls, request_id: str, prompt_token_ids: list[int], error: str) -> "RequestOutput":

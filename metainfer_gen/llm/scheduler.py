@@ -148,9 +148,10 @@ class Scheduler:
 
     # -- after the model ran --------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[int, int], now: float | None = None,
-               logprobs: dict | None = None) -> list[Sequence]:
+               logprobs: dict | None = None, errors: dict[int, str] | None = None) -> list[Sequence]:
         """Advance the scheduled sequences, append sampled tokens (``seq_id -> token``) and their ``logprobs``
-        (``seq_id -> TokenLogprobs``, for the requests that asked), finish what is done.
+        (``seq_id -> TokenLogprobs``, for the requests that asked), finish what is done; a sequence in ``errors``
+        (``seq_id -> reason``: its row could not be sampled) finishes with reason "error" and that ``error``.
 
         Returns:
             the sequences that finished this step (their blocks are already free).
@@ -162,18 +163,26 @@ class Scheduler:
             self.block_manager.commit(seq)
             if not item.sample:
                 continue
+            if errors and seq.seq_id in errors:  # its row could not be sampled: it ends, alone, with the reason
+                seq.error = errors[seq.seq_id]
+                self._finish(seq, FinishReason.ERROR)
+                finished.append(seq)
+                continue
             token = sampled[seq.seq_id]
             seq.append_token(token, now)
             if logprobs and seq.seq_id in logprobs:
                 seq.logprobs.append(logprobs[seq.seq_id])
             reason = self._finish_reason(seq, token)
             if reason is not None:
-                seq.finish_reason = reason
-                seq.status = SequenceStatus.FINISHED
-                self.running.remove(seq)
-                self.block_manager.free(seq)
+                self._finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.finish_reason = reason
+        seq.status = SequenceStatus.FINISHED
+        self.running.remove(seq)
+        self.block_manager.free(seq)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.params

@@ -180,7 +180,7 @@ class AsyncLLMEngine:
             except Exception as exc:  # a bug must not hang every client: fail the open requests, keep serving
                 log.exception("engine step failed")
                 for request_id in list(self._requests):
-                    self._abort(request_id, "error", f"engine step failed: {exc}")
+                    self._abort(request_id, "error", f"the engine step failed ({type(exc).__name__})")
                 continue
             self.num_steps += 1
             if self.metrics is not None:  # before delivering: a client that sees its answer sees the step's gauges
@@ -192,7 +192,8 @@ class AsyncLLMEngine:
                 except Exception as exc:  # one request's detokenizing or sending failed: that request ends
                     log.exception("delivering request %s failed", output.request_id)
                     if output.request_id in self._requests:
-                        self._abort(output.request_id, "error", f"delivering the output failed: {exc}")
+                        self._abort(output.request_id, "error",
+                                    f"delivering the output failed ({type(exc).__name__})")
             self._flush()
 
     def _apply_commands(self) -> bool:

@@ -148,7 +148,7 @@ async def _collect(front, streams, fmt: ResponseFormat, watcher, logprobs, num_p
         _abort_all(front, streams)  # this handler was cancelled: nobody will read the answer
     failed = [c.last for c in choices if c.last.finish_reason == "error"]
     if failed:
-        raise APIError(500, f"generation failed: {failed[0].error}", code="engine_error")
+        raise _failed(failed[0], fmt.request_id)
     body = [fmt.choice(c.index, "".join(c.parts), _openai_reason(c.last.finish_reason),
                        logprobs.format(c.logprobs) if logprobs else None) for c in choices]
     return fmt.response(body, num_prompt_tokens, sum(c.last.num_output_tokens for c in choices),
@@ -175,7 +175,7 @@ async def _stream(front, streams, fmt: ResponseFormat, watcher, logprobs, num_pr
             open_choices -= 1
             outputs, cached = outputs + event.num_output_tokens, cached + event.num_cached_tokens
             if event.finish_reason == "error":
-                yield sse(APIError(500, f"generation failed: {event.error}", code="engine_error").body())
+                yield sse(_failed(event, fmt.request_id).body())
             else:
                 yield fmt.chunk(None, _openai_reason(event.finish_reason), index=choice.index)
         if fmt.include_usage:
@@ -186,6 +186,12 @@ async def _stream(front, streams, fmt: ResponseFormat, watcher, logprobs, num_pr
         for reader in readers:
             reader.cancel()
         _abort_all(front, streams)
+
+
+def _failed(event, request_id: str) -> APIError:
+    """The 500 of a choice the engine ended with an error: the engine's own sentence (never an exception's text:
+    the engine logs that, under the request id given here)."""
+    return APIError(500, f"generation failed: {event.error} (request id {request_id})", code="engine_error")
 
 
 def _openai_reason(reason: str) -> str:
