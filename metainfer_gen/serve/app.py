@@ -11,6 +11,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`
 # No ``from __future__ import annotations``: FastAPI reads the route signatures' ``Request`` annotations at
 # definition time, and ``Request`` is imported inside ``build_app`` (fastapi is an optional extra).
 import asyncio
+import logging
+import uuid
 from dataclasses import dataclass
 
 from metainfer_gen.serve.chat import chat_token_ids
@@ -20,6 +22,8 @@ from metainfer_gen.serve.http_io import DEFAULT_MAX_BODY_BYTES, check_api_key, r
 from metainfer_gen.serve.info_routes import served_model
 from metainfer_gen.serve.protocol import parse_chat_request, parse_completion_request, parse_messages
 from metainfer_gen.serve.request_fields import is_int
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -50,6 +54,7 @@ def new_app():
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
+    from fastapi.routing import APIRoute
     from starlette.exceptions import HTTPException
 
     from metainfer_gen import __version__
@@ -78,11 +83,40 @@ def new_app():
         return JSONResponse(err.body(), status_code=exc.status_code, headers=headers or None)
 
     @app.exception_handler(Exception)
-    async def _internal(_, exc: Exception):  # never str(exc): it may carry paths
-        return JSONResponse(error_body(f"internal error ({type(exc).__name__}); see the server's log",
-                                       "internal_server_error"), status_code=500)
+    async def _internal(request, exc: Exception):  # what escaped the routes' own guard (middleware, a stream)
+        return internal_error(request, exc)
 
+    class GuardedRoute(APIRoute):
+        """A route whose unexpected exception becomes the 500 here, not re-raised to the server (Starlette's
+        error middleware re-raises, and uvicorn then resets the client's kept-alive connection)."""
+
+        def get_route_handler(self):
+            handler = super().get_route_handler()
+
+            async def guarded(request):
+                try:
+                    return await handler(request)
+                except (APIError, HTTPException, RequestValidationError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - logged with its request id, answered without its text
+                    return internal_error(request, exc)
+
+            return guarded
+
+    app.router.route_class = GuardedRoute
     return app
+
+
+def internal_error(request, exc: Exception):
+    """The 500 of an unexpected exception: logged with a new request id and its traceback; the body names the
+    exception's type and the id, never ``str(exc)`` (it may carry paths), and so does the ``x-request-id`` header."""
+    from fastapi.responses import JSONResponse
+
+    request_id = f"req-{uuid.uuid4().hex[:16]}"
+    log.error("%s %s failed (request id %s)", request.method, request.url.path, request_id, exc_info=exc)
+    return JSONResponse(error_body(f"internal error ({type(exc).__name__}), request id {request_id}; the server's "
+                                   f"log has the details under that id", "internal_server_error"),
+                        status_code=500, headers={"x-request-id": request_id})
 
 
 def allowed_methods(app, scope) -> set[str]:

@@ -7,7 +7,10 @@ message and the field that was wrong.
 
 from __future__ import annotations
 
+import re
 from http import HTTPStatus
+
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~:/])/(?:[^\s'\":,()/]+/)+([^\s'\":,()/]*)")
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error",
@@ -51,3 +54,9 @@ def http_error(status: int, detail: str | None = None) -> APIError:
     """An APIError for a plain HTTP status (Starlette's 404 / 405)."""
     phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
     return APIError(status, detail if detail and detail != phrase else phrase, code=phrase.lower().replace(" ", "_"))
+
+
+def redact_paths(text: str) -> str:
+    """``text`` with every absolute path cut to its last component (``/srv/data/clips/x.mp4`` -> ``.../x.mp4``),
+    for messages that come from exceptions (a job's recorded error): a body must not show the server's layout."""
+    return _ABSOLUTE_PATH.sub(lambda m: f".../{m.group(1)}", text)

@@ -91,7 +91,12 @@ async def generate(front, request, req: GenerationRequest, prompts_ids: list[lis
 
 
 def _check_token_ids(prompts_ids: list[list[int]], vocab_size: int, req: GenerationRequest) -> None:
-    """Token ids outside the vocabulary are a 400 before anything is queued (the detokenizer would fail on them)."""
+    """Token ids outside the vocabulary (prompts, ``stop_token_ids``) are a 400 before anything is queued (the
+    detokenizer, or ``min_tokens``'s mask, would fail on them inside the engine step)."""
+    bad_stops = [t for t in req.stop_token_ids if not 0 <= t < vocab_size]
+    if bad_stops:
+        raise bad_request(f"stop_token_ids must be token ids in [0, {vocab_size}); got {bad_stops[0]}",
+                          "stop_token_ids")
     for i, ids in enumerate(prompts_ids):
         if min(ids) < 0 or max(ids) >= vocab_size:
             where = "messages" if req.messages is not None else "prompt" if len(prompts_ids) == 1 else f"prompt[{i}]"

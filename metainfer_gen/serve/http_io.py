@@ -8,20 +8,37 @@ from __future__ import annotations
 import asyncio
 import secrets
 
-from metainfer_gen.serve.errors import APIError
-from metainfer_gen.serve.protocol import parse_json_object
+from metainfer_gen.serve.errors import APIError, bad_request
+from metainfer_gen.serve.json_body import parse_json_object
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a prompt of the longest context fits many times over
 
 
 async def read_json(request, max_body_bytes: int) -> dict:
-    """The request's JSON object, reading at most ``max_body_bytes`` bytes.
+    """The request's JSON object, reading at most ``max_body_bytes`` bytes
+    (:func:`~metainfer_gen.serve.json_body.parse_json_object`).
 
     Raises:
         APIError: 413 when ``Content-Length`` or the bytes actually sent exceed the limit (checked before and
-            while reading, so a chunked upload cannot grow past it); 400 for anything but a JSON object.
+            while reading, so a chunked upload cannot grow past it); 400 for a query string (see
+            :func:`refuse_query`) or anything but a JSON object of valid text.
     """
+    refuse_query(request)
     return parse_json_object(await read_body(request, max_body_bytes), request.headers.get("content-type"))
+
+
+def refuse_query(request, accepted: tuple[str, ...] = ()) -> None:
+    """Refuse query parameters other than ``accepted`` (a POST route takes its fields in the body, so a
+    ``?stream=true`` would otherwise be silently ignored).
+
+    Raises:
+        APIError: 400 naming the first parameter not accepted.
+    """
+    for name in request.query_params:
+        if name not in accepted:
+            where = "in the JSON body" if not accepted else f"only {', '.join(accepted)} in the query string"
+            raise bad_request(f"query parameter {name!r} is not accepted here: this route takes {where}",
+                              name if name.isprintable() else None, "unknown_parameter")
 
 
 async def read_body(request, max_body_bytes: int, limit_flag: str = "--max-body-bytes") -> bytes:

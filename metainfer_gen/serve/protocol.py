@@ -7,7 +7,6 @@ ignored, is :mod:`metainfer_gen.serve.request_fields`; unknown fields are refuse
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from metainfer_gen.llm.detokenizer import check_stop_strings
@@ -48,31 +47,6 @@ class GenerationRequest:
     @property
     def num_choices(self) -> int:
         return self.n * (len(self.prompts) if self.prompts is not None else 1)
-
-
-def parse_json_object(raw: bytes, content_type: str | None) -> dict:
-    """The body as a JSON object.
-
-    Raises:
-        APIError: 400 for a missing or non-JSON content type, an empty body, malformed JSON, or JSON that is
-            not an object (``[]``, ``null``, ``123``, ``"s"``).
-    """
-    media = (content_type or "").split(";")[0].strip().lower()
-    if not media:
-        raise bad_request("missing Content-Type header: send the body as JSON with "
-                          "'Content-Type: application/json'", code="invalid_content_type")
-    if media != "application/json" and not media.endswith("+json"):
-        raise bad_request(f"Content-Type {media!r} is not JSON: send 'Content-Type: application/json'",
-                          code="invalid_content_type")
-    if not raw.strip():
-        raise bad_request("empty request body: send a JSON object", code="invalid_json")
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad_request(f"malformed JSON in the request body: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object; got {json_kind(body)}", code="invalid_json")
-    return body
 
 
 def parse_completion_request(body: dict) -> GenerationRequest:

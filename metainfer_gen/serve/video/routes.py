@@ -10,8 +10,9 @@
 # No ``from __future__ import annotations``: FastAPI reads the ``Request`` annotations at definition time.
 import asyncio
 
-from metainfer_gen.serve.errors import APIError, bad_request
-from metainfer_gen.serve.http_io import check_api_key, read_body, read_json
+from metainfer_gen.serve.errors import APIError, bad_request, redact_paths
+from metainfer_gen.serve.http_io import check_api_key, read_body, read_json, refuse_query
+from metainfer_gen.serve.json_body import check_form_text
 from metainfer_gen.serve.video.jobs import Job, JobStatus
 from metainfer_gen.serve.video.request import FIELDS, VideoRequest
 
@@ -23,7 +24,8 @@ MAX_LIST = 100
 def video_object(job: Job, model_name: str) -> dict:
     """A job as OpenAI's ``Video`` object (plus ``num_frames``, ``fps``, ``seed``, ``attempts``)."""
     request = VideoRequest.from_dict(job.request)
-    error = {"code": "render_failed", "message": job.error} if job.status is JobStatus.FAILED else None
+    error = {"code": "render_failed", "message": redact_paths(job.error or "")} \
+        if job.status is JobStatus.FAILED else None
     return {"id": job.id, "object": "video", "created_at": job.created_at, "status": job.status.value,
             "progress": job.progress, "model": model_name, "size": request.size, "seconds": request.seconds,
             "prompt": request.prompt, "completed_at": job.completed_at, "expires_at": None, "error": error,
@@ -50,9 +52,11 @@ def add_video_routes(app, service, api_key: str | None, max_body_bytes: int) -> 
         image = None
         if media == "multipart/form-data":
             # form() reads the body from request._body
+            refuse_query(request)
             request._body = await read_body(request, service.config.max_upload_bytes, "--max-upload-mb")
             form = await request.form(max_files=1, max_fields=len(FIELDS))
             body = {key: value for key, value in form.items() if key != "input_reference"}
+            check_form_text(body, request._body)
             upload = form.get("input_reference")
             if upload is not None and not isinstance(upload, str):
                 image = await upload.read()
@@ -92,13 +96,14 @@ def add_video_routes(app, service, api_key: str | None, max_body_bytes: int) -> 
             raise
         if job.status is not JobStatus.COMPLETED:
             raise APIError(500 if job.status is JobStatus.FAILED else 409,
-                           f"video {job.id} {job.status.value}" + (f": {job.error}" if job.error else ""),
+                           f"video {job.id} {job.status.value}" + (f": {redact_paths(job.error)}" if job.error else ""),
                            code=f"video_{job.status.value}")
         return FileResponse(service.clip_path(job), media_type="video/mp4", headers={"x-video-id": job.id})
 
     @app.get("/v1/videos")
     async def list_videos(request: Request, limit: int = 20, after: str | None = None, order: str = "desc"):
         check_api_key(request, api_key)
+        refuse_query(request, ("limit", "after", "order"))
         if not 1 <= limit <= MAX_LIST:
             raise bad_request(f"limit must be in 1..{MAX_LIST}; got {limit}", "limit")
         if order != "desc":
@@ -120,6 +125,7 @@ def add_video_routes(app, service, api_key: str | None, max_body_bytes: int) -> 
     @app.get("/v1/videos/{video_id}/content")
     async def content(request: Request, video_id: str, variant: str = "video"):
         check_api_key(request, api_key)
+        refuse_query(request, ("variant",))
         if variant != "video":
             raise bad_request(f"variant {variant!r} is not available; this server keeps the video only", "variant")
         job = find(video_id)
