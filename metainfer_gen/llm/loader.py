@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 
+from metainfer_gen.llm.checkpoint_checks import FUSED_EXPERTS, check_checkpoint
+
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_FUSED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 
 
 def resolve_checkpoint(path_or_id: str | Path) -> Path:
@@ -116,7 +117,7 @@ def plan_reads(model: torch.nn.Module, ckpt, config) -> list[_Read]:
         if (match and int(match.group(1)) >= config.num_hidden_layers) or name.endswith("weight_scale_inv") \
                 or (tied and name == "lm_head.weight"):
             continue
-        if name.endswith(_FUSED):
+        if name.endswith(FUSED_EXPERTS):
             reads += _fused_reads(model, ckpt, name)
         elif name in expected:
             module_name, _, attr = name.rpartition(".")
@@ -171,10 +172,11 @@ def load_model(path: Path, config, *, dtype: torch.dtype, device: torch.device, 
         ``"llm.load.fp8"``) when the checkpoint is fp8 or fp8 was asked for.
 
     Raises:
-        RuntimeError: missing, unexpected or wrongly shaped weights (names listed).
+        RuntimeError: missing, unexpected or wrongly shaped weights (names listed), too few or too many experts.
         ValueError: an unknown quantization method, an unsupported checkpoint quantisation, an fp8 weight
-            whose tensor-parallel slice would split a 128x128 scale block (fp8 kept), or an fp8 tensor without its
-            ``weight_scale_inv``.
+            whose tensor-parallel slice would split a 128x128 scale block (fp8 kept), an fp8 tensor without its
+            ``weight_scale_inv`` or with one of the wrong shape, or a weight stored in an integer dtype
+            (:mod:`~metainfer_gen.llm.checkpoint_checks`, before anything is allocated).
     """
     from metainfer_gen.llm.checkpoint import SafetensorsCheckpoint
     from metainfer_gen.llm.fp8 import checkpoint_quantization, choose_weight_format, record_weight_format
@@ -186,6 +188,7 @@ def load_model(path: Path, config, *, dtype: torch.dtype, device: torch.device, 
         model = DeepseekV3ForCausalLM(config, max_positions, tp)
     with SafetensorsCheckpoint(path) as ckpt:
         reads = plan_reads(model, ckpt, config)
+        check_checkpoint(ckpt, config, reads)  # headers only: refused before anything is allocated or read
         materialize(model, dtype=dtype, device=device, fp8=fmt.fp8)
         for read in reads:
             fill_parameter(read.module, read.attr, ckpt, read.name, read.index)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from metainfer_gen.llm.checkpoint import SafetensorsCheckpoint
+from metainfer_gen.llm.checkpoint_checks import SCALE as _SCALE, check_stored
 from metainfer_gen.llm.parallel import Shard
 
 __all__ = ["DEQUANT_BYTES", "KEEP_FP32", "fill_parameter", "materialize"]
@@ -40,7 +41,6 @@ DEQUANT_BYTES = 16 << 20
 # Kept in float32 whatever the run dtype, as transformers keeps them.
 KEEP_FP32 = ("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight")
 _FP8 = torch.float8_e4m3fn
-_SCALE = "weight_scale_inv"
 
 
 def _is_fp8_layer(module: nn.Module, fp8: bool) -> bool:
@@ -136,16 +136,6 @@ def _dequantise_into(target: torch.Tensor, ckpt: SafetensorsCheckpoint, name: st
                                                            cols[0] - col0:cols[0] - col0 + cols[1]])
 
 
-def _check_stored(name: str, stored: str, scaled: bool, scale_name: str) -> None:
-    """Refuse an fp8 tensor without its block scales, or block scales beside a tensor that is not e4m3."""
-    if scaled and stored != "F8_E4M3":
-        raise ValueError(f"{name} has a {_SCALE} but is stored as {stored}, not float8_e4m3fn (F8_E4M3)")
-    if not scaled and stored.startswith("F8"):
-        raise ValueError(f"{name} is stored in fp8 ({stored}) but the checkpoint has no {scale_name}: its values "
-                         f"cannot be read without their 128x128 block scales; add {scale_name} (ceil(N/128), "
-                         f"ceil(K/128)) float32 to the checkpoint, or save {name} in bf16/fp32")
-
-
 def _quantise_into(module: nn.Module, data: torch.Tensor) -> None:
     """Quantise ``data`` (N, K) into ``module.weight`` / ``weight_scale_inv``, one row of 128x128 tiles at a time."""
     from metainfer_gen.kernels import quantize_fp8_weight
@@ -191,7 +181,7 @@ def fill_parameter(module: nn.Module, attr: str, ckpt: SafetensorsCheckpoint, na
     read_index = shard.index if shard is not None else ()
     scale_name = name.removesuffix("weight") + _SCALE
     stored_fp8 = name.endswith("weight") and scale_name in ckpt
-    _check_stored(name, ckpt.dtype(name), stored_fp8, scale_name)
+    check_stored(name, ckpt.dtype(name), stored_fp8, scale_name)
     if target.dtype == _FP8:
         data = ckpt.read(name, read_index)
         if not stored_fp8:
