@@ -14,7 +14,7 @@ import torch
 
 from metainfer_gen.llm.attention_metadata import AttentionMetadata
 from metainfer_gen.llm.logits_processors import apply_penalties, compute_logprobs, mask_early_stops
-from metainfer_gen.llm.sampler import sample
+from metainfer_gen.llm.sampler import Sampler
 from metainfer_gen.llm.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(num_blocks + sink, block_size, 1, row, dtype=dtype, device=device)
                           for row in model.cache_row_sizes]
         self._default_generator = torch.Generator().manual_seed(seed)
+        self.sampler = Sampler()
         self._generators: dict[int, torch.Generator] = {}
         self.static = None
         if static_decode:
@@ -136,7 +137,7 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, seqs: list, generators: list) -> tuple[list[int], dict, dict]:
         """(tokens, row -> error, seq_id -> TokenLogprobs) for the rows of ``logits`` (one per ``seqs``)."""
         processed = mask_early_stops(apply_penalties(logits, seqs), seqs, self.eos_token_ids)
-        sampled = sample(processed, [s.params for s in seqs], generators)
+        sampled = self.sampler(processed, [s.params for s in seqs], generators)
         ok = [i for i in range(len(seqs)) if i not in sampled.errors]
         rows = logits if len(ok) == len(seqs) else logits[ok]
         logprobs = compute_logprobs(rows, [sampled.tokens[i] for i in ok], [seqs[i] for i in ok]) if ok else {}

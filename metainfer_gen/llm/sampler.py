@@ -106,30 +106,31 @@ def _mass_above(probs: torch.Tensor, pivot: torch.Tensor) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.float64).index_add_(0, rows, part)
 
 
-def _full_probs(logits: torch.Tensor, inv_t: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
+def _full_probs(logits: torch.Tensor, inv_t: torch.Tensor, threshold: torch.Tensor | None,
+                scratch: list) -> torch.Tensor:
     """(n, V) logits -> (n, nb * BLOCK) softmax of ``logits * inv_t`` with logits below ``threshold`` (n, 1) and
-    the padding at probability 0."""
+    the padding at probability 0, written into ``scratch[0]`` (a flat float32 buffer, replaced when too small)."""
     n, vocab = logits.shape
     padded = -(-vocab // BLOCK) * BLOCK
-    scaled = torch.empty(n, padded, dtype=torch.float32)
+    if scratch[0] is None or scratch[0].numel() < n * padded:
+        scratch[0] = torch.empty(n * padded, dtype=torch.float32)
+    scaled = scratch[0][:n * padded].view(n, padded)
     scaled[:, vocab:] = float("-inf")
-    if padded == vocab:
-        torch.mul(logits, inv_t, out=scaled)
-    else:
-        scaled[:, :vocab] = logits * inv_t
+    torch.mul(logits, inv_t, out=scaled[:, :vocab])
     if threshold is not None:
         scaled[:, :vocab].masked_fill_(logits < threshold, float("-inf"))
-    return torch.softmax(scaled, -1)
+    # In place: a second (R, V) buffer costs as much as the softmax itself (fresh pages on every step).
+    return torch.ops.aten._softmax.out(scaled, -1, False, out=scaled)
 
 
-def _sample_full(logits, inv_t, threshold, top_p: list[float], generators) -> torch.Tensor:
+def _sample_full(logits, inv_t, threshold, top_p: list[float], generators, scratch: list) -> torch.Tensor:
     """The full path for (n, V) ``logits``: (n,) tokens."""
-    probs = _full_probs(logits, inv_t, threshold)
+    probs = _full_probs(logits, inv_t, threshold, scratch)
     tokens = _draw_blocks(probs, _uniforms(generators))
     alive = [i for i, p in enumerate(top_p) if p < 1.0]
     if not alive:
         return tokens
-    probs = probs[alive]
+    probs = probs if len(alive) == len(top_p) else probs[alive]  # (rejected rows are copied before masking)
     for _ in range(MAX_REJECTIONS):
         pivot = probs.gather(1, tokens[alive].unsqueeze(1))
         rejected = (_mass_above(probs, pivot) >= torch.tensor([top_p[i] for i in alive], dtype=torch.float64))
@@ -162,18 +163,32 @@ def _sample_candidates(values, ids, k: list[int], inv_t, top_p: list[float], gen
     return ids.gather(1, pick)[:, 0]
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> Sampled:
+class Sampler:
+    """:func:`sample` with a scratch buffer kept between steps (the engine's runner holds one): a fresh (R, V)
+    buffer per step costs about as much as the softmax written into it (new pages, zeroed by the kernel)."""
+
+    def __init__(self):
+        self._scratch: list = [None]
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> Sampled:
+        return sample(logits, params, generators, self._scratch)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           scratch: list | None = None) -> Sampled:
     """Pick one token per row.
 
     Args:
         logits: (R, V) float32 (other float dtypes are upcast), on the CPU.
-        params: R sampling settings (``temperature`` > 0 rows need not be normalised in any way).
+        params: R sampling settings.
         generators: R CPU generators; None for greedy rows (a sampling row with None draws from torch's
             default generator).
+        scratch: ``[buffer or None]``, a float32 buffer this call may use and replace (see :class:`Sampler`).
     Returns:
         :class:`Sampled`: the tokens, and the rows whose logits are not finite (those rows only).
     """
+    scratch = [None] if scratch is None else scratch
     logits = logits.float()
     num_rows, vocab = logits.shape
     finite = torch.isfinite(logits.amax(-1)).tolist()
@@ -212,5 +227,5 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if full:
         cut = _column([threshold.get(r, float("-inf")) for r in full]) if threshold else None
         tokens[full] = _sample_full(rows(full), _column([inv[r] for r in full]), cut,
-                                    [params[r].top_p for r in full], [generators[r] for r in full])
+                                    [params[r].top_p for r in full], [generators[r] for r in full], scratch)
     return Sampled(tokens.tolist(), errors)
