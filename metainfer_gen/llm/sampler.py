@@ -180,7 +180,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     """Pick one token per row.
 
     Args:
-        logits: (R, V) float32 (other float dtypes are upcast), on the CPU.
+        logits: (R, V) float32 (other float dtypes are upcast; another device's are copied to the CPU).
         params: R sampling settings.
         generators: R CPU generators; None for greedy rows (a sampling row with None draws from torch's
             default generator).
@@ -189,7 +189,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         :class:`Sampled`: the tokens, and the rows whose logits are not finite (those rows only).
     """
     scratch = [None] if scratch is None else scratch
-    logits = logits.float()
+    logits = logits.float().cpu()  # the generators are CPU ones (as the per-row sampler's were): draw there
     num_rows, vocab = logits.shape
     finite = torch.isfinite(logits.amax(-1)).tolist()
     errors = {r: NOT_FINITE for r in range(num_rows) if not finite[r]}
