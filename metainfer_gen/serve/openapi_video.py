@@ -32,8 +32,7 @@ def video_operations(model_name: str) -> dict:
     fields = _fields(model_name)
     body = json_body({"type": "object", "required": ["prompt"], "additionalProperties": False, "properties": fields})
     form = {"type": "object", "required": ["prompt"], "additionalProperties": False,
-            "properties": {**{name: {"type": "string"} for name in fields}, "prompt": fields["prompt"],
-                           "input_reference": {"type": "string", "format": "binary"}}}
+            "properties": {**fields, "input_reference": {"type": "string", "format": "binary"}}}  # typed as in JSON
     body["content"]["multipart/form-data"] = {"schema": form}
     listing = {"type": "object", "required": ["object", "data", "has_more"],
                "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _VIDEO},

@@ -93,6 +93,7 @@ def parse_chat_request(body: dict) -> GenerationRequest:
         APIError: 400 naming the field.
     """
     check_fields(body, "chat")
+    integer(body, "max_tokens", None, 1)  # beside max_completion_tokens (the one that counts) it must still be valid
     request = _common(body, max_tokens_default=None, max_tokens=body.get("max_completion_tokens",
                                                                           body.get("max_tokens")))
     request.messages = parse_messages(body)

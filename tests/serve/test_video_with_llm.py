@@ -65,6 +65,8 @@ def test_models_lists_both_kinds_and_the_schema_covers_both(both):
         paths = http.get("/openapi.json").json()["paths"]
         body = paths["/v1/videos"]["post"]["requestBody"]["content"]
         assert {"application/json", "multipart/form-data"} <= set(body)
+        form = body["multipart/form-data"]["schema"]["properties"]  # typed as in JSON: "w" is no num_frames
+        assert form["num_frames"]["type"] == "integer" and form["input_reference"]["format"] == "binary"
         assert "video/mp4" in paths["/v1/videos/{video_id}/content"]["get"]["responses"]["200"]["content"]
         assert http.get("/v1/videos", params={"limit": "x"}).json()["error"]["param"] == "limit"
         refused = http.put("/v1/videos")  # 405 names every method of the path, not only the first route's
