@@ -62,7 +62,11 @@ def apply_penalties(logits: torch.Tensor, seqs: list) -> torch.Tensor:
         seen = (output > 0) | (token_counts([seq.prompt_token_ids for seq in seqs], vocab, device) > 0)
         factor = torch.where(seen, repetition, torch.ones_like(repetition))
         logits = torch.where(logits > 0, logits / factor, logits * factor)
-    return logits - column("frequency_penalty") * output - column("presence_penalty") * (output > 0)
+    logits = logits - column("frequency_penalty") * output - column("presence_penalty") * (output > 0)
+    # a repetition penalty near 0 (5e-324 is a valid one, 0 in float32) sends a seen token's logit to +inf: keep
+    # it the largest finite value, so the row stays sampleable (the seen token wins, as the penalty asks)
+    limit = torch.finfo(logits.dtype).max
+    return logits.clamp_(-limit, limit)
 
 
 def mask_early_stops(logits: torch.Tensor, seqs: list, eos_token_ids: tuple[int, ...]) -> torch.Tensor:

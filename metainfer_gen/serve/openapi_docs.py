@@ -117,8 +117,9 @@ def llm_operations(model_name: str, vocab_size: int) -> dict:
         "logprobs": {"type": ["boolean", "null"]},
         "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS},
         **_sampling(vocab_size)}}
-    tokenize = {"type": "object", "anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}],
-                "properties": {"model": model, "prompt": {"type": "string"},
+    tokenize = {"type": "object", "anyOf": [{"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                                            {"required": ["messages"]}],
+                "properties": {"model": model, "prompt": {"type": ["string", "null"]},
                                "add_special_tokens": {"type": "boolean"},
                                "messages": {"type": "array", "minItems": 1, "items": message}}}
     tokens = {"type": "object", "required": ["count", "max_model_len", "tokens"],

@@ -46,6 +46,17 @@ def test_penalties_equal_the_reference_on_fixed_logits():
     assert not torch.equal(got, logits)
 
 
+def test_extreme_penalties_keep_the_logits_finite():
+    """A repetition penalty of 5e-324 (0 in float32) or 100 and frequency penalties of +-2 on a long output: every
+    logit finite, and the tiny repetition penalty makes a seen token (positive logit) the greedy choice."""
+    logits = torch.stack([torch.linspace(0.5, 1.0, VOCAB), torch.linspace(-3.0, 3.0, VOCAB)])
+    seqs = [_seq([1, 2], [3] * 40, repetition_penalty=5e-324, frequency_penalty=2.0),
+            _seq([7], [8] * 40, repetition_penalty=100.0, frequency_penalty=-2.0, presence_penalty=-2.0)]
+    got = apply_penalties(logits.clone(), seqs)
+    assert torch.isfinite(got).all()
+    assert int(got[0].argmax()) in (1, 2, 3) and (got[0, [1, 2, 3]] == torch.finfo(torch.float32).max).all()
+
+
 def test_rows_without_penalties_are_left_as_they_are():
     logits = torch.randn(2, VOCAB)
     seqs = [_seq([1], [2, 2]), _seq([3], [4], frequency_penalty=1.0)]
