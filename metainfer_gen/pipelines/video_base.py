@@ -5,7 +5,7 @@ input errors before any work, a seed argument, uint8 frames, per-call stats and 
 browser-playable MP4; they also speak diffusers (``output_type``, ``num_videos_per_prompt``, ``.to()``,
 ``.components``, the component attributes, CPU offload). Accelerators attach to the wrapped model from outside:
 the lossless embed memo is on from ``from_pretrained`` (as in the CLI); the step cache, LoRA and fused kernels are
-off until enabled.
+off until enabled, or all on together with :meth:`enable_acceleration` (a preset).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from metainfer_gen.pipelines.acceleration import AccelerationMixin
 from metainfer_gen.pipelines.diffusers_compat import DiffusersCompatMixin
 from metainfer_gen.pipelines.kernel_accelerators import KernelAcceleratorsMixin
 from metainfer_gen.pipelines.loading import load_diffusers_pipeline
@@ -24,7 +25,8 @@ from metainfer_gen.video.rules import VideoRules
 _SHAPE_ARGS = ("num_frames", "height", "width", "num_inference_steps", "guidance_scale")
 
 
-class VideoPipelineBase(DiffusersCompatMixin, VideoCallMixin, KernelAcceleratorsMixin, ParallelMixin):
+class VideoPipelineBase(DiffusersCompatMixin, VideoCallMixin, AccelerationMixin, KernelAcceleratorsMixin,
+                        ParallelMixin):
     """Base of :class:`TextToVideoPipeline` and :class:`ImageToVideoPipeline`; not used directly."""
 
     task: str = ""
@@ -38,6 +40,7 @@ class VideoPipelineBase(DiffusersCompatMixin, VideoCallMixin, KernelAccelerators
         self.step_cache = None  # the enabled video.cache.CachePolicy, or None
         self.cfg_parallel = self.context_parallel = None  # one clip on several ranks (pipelines.parallel)
         self._loras = None  # video.lora.LoraSet, made on first use
+        self.acceleration = None  # video.presets.AccelerationReport of enable_acceleration, or None
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path=None, *, torch_dtype=None, device: str | None = None,
@@ -87,6 +90,11 @@ class VideoPipelineBase(DiffusersCompatMixin, VideoCallMixin, KernelAccelerators
         new.step_cache = other.step_cache  # same transformer objects: the hooks are already on them
         new.cfg_parallel, new.context_parallel = other.cfg_parallel, other.context_parallel
         new._loras = other._loras  # and the same adapters
+        new.acceleration = other.acceleration  # the preset's weights and hooks are on the shared modules
+        if pipe is not other.diffusers_pipeline:
+            from metainfer_gen.video.prompt_cache import share_prompt_cache
+
+            share_prompt_cache(other.diffusers_pipeline, pipe)
         return new
 
     @property
@@ -100,7 +108,10 @@ class VideoPipelineBase(DiffusersCompatMixin, VideoCallMixin, KernelAccelerators
         return [m for m in (getattr(pipe, "transformer", None), getattr(pipe, "transformer_2", None)) if m is not None]
 
     def default(self, name: str) -> Any:
-        """Default of call argument ``name``: the model's settings file first, then the diffusers signature."""
+        """Default of call argument ``name``: the acceleration preset's (a fused step LoRA's steps and guidance),
+        then the model's settings file, then the diffusers signature."""
+        if self.acceleration is not None and name in self.acceleration.call_defaults:
+            return self.acceleration.call_defaults[name]
         if name in self.settings:
             return self.settings[name]
         parameter = inspect.signature(self.diffusers_pipeline.__call__).parameters.get(name)

@@ -95,6 +95,8 @@ class VideoCallMixin:
 
         from metainfer_gen.kernels import audit
         from metainfer_gen.video.cache import count_block_evaluations
+        from metainfer_gen.video.pieces import time_pieces, with_setup
+        from metainfer_gen.video.prompt_cache import get_prompt_cache
 
         steps = call_kwargs["num_inference_steps"]
         accepted = inspect.signature(self.diffusers_pipeline.__call__).parameters
@@ -110,9 +112,16 @@ class VideoCallMixin:
                 generator = torch.Generator(device="cpu").manual_seed(seed)
             with measure(self.transformers, self.device) as stats, torch.inference_mode(), \
                     count_block_evaluations(self.transformers) as blocks, session as cache_report, \
-                    parallel as records, self._embed_memo_call():
+                    parallel as records, self._embed_memo_call(), \
+                    time_pieces(self.diffusers_pipeline, self.transformers, self.device) as pieces:
                 result = self.diffusers_pipeline(**call_kwargs, generator=generator, output_type=output_type or "np")
         self.last_audit = report
+        stats.extra["seconds_by_piece"] = with_setup(pieces, stats.seconds)
+        prompt_cache = get_prompt_cache(self.diffusers_pipeline)
+        if prompt_cache is not None:
+            stats.extra["prompt_cache"] = prompt_cache.to_dict()
+        if self.acceleration is not None:
+            stats.extra["acceleration"] = self.acceleration.to_dict()
         stats.num_inference_steps = steps
         stats.block_evaluations = blocks.num_evaluations
         stats.cache = cache_report
