@@ -127,7 +127,9 @@ def _pipeline_factory(args: argparse.Namespace) -> Callable[[str], Any]:
             if pipe is None:
                 pipe = cls.from_pretrained(args.model, device=args.device, **options)
                 apply_model_options(pipe, args)
-                pipe.enable_step_cache(args.cache, calibration=args.cache_calibration)
+                if args.cache != "off" or not args.preset:  # an asked cache replaces the preset's
+                    pipe.disable_step_cache()
+                    pipe.enable_step_cache(args.cache, calibration=args.cache_calibration)
                 if args.context_parallel:
                     pipe.enable_context_parallel(args.context_parallel, cfg_parallel=args.cfg_parallel)
                 elif args.cfg_parallel:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+PRESET_NAMES = ("quality", "balanced", "fastest")  # video.presets.PRESETS, without importing the pipelines here
+
 
 def add_video_model_arguments(p: argparse.ArgumentParser) -> None:
-    """``--dtype``, ``--vae-dtype``, ``--fused-kernels`` and ``--no-embed-memo`` (read back with
+    """``--dtype``, ``--vae-dtype``, ``--fused-kernels``, ``--no-embed-memo`` and ``--preset`` (read back with
     :func:`load_options` and :func:`apply_model_options`)."""
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weights dtype (default float32 on CPU, bfloat16 on CUDA)")
@@ -19,6 +21,11 @@ def add_video_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-embed-memo", dest="embed_memo", action="store_false",
                    help="do not reuse the condition embedder's exact outputs within a call (the memo is lossless "
                         "and on by default where the model has Wan's condition embedder)")
+    p.add_argument("--preset", choices=PRESET_NAMES, default=None,
+                   help="every acceleration safe for this model and machine at once (pipe.enable_acceleration): "
+                        "quality, balanced (bf16 VAE where it checks out, step cache auto) or fastest (also the "
+                        "model's step LoRA fused and a bf16 transformer where it checks out); the step cache it "
+                        "picks stands unless a cache is asked for (--cache, or the request's); default: none")
 
 
 def load_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -31,9 +38,14 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def apply_model_options(pipe, args: argparse.Namespace) -> None:
     """The accelerators the options ask for, on a freshly loaded pipeline (whose ``from_pretrained`` turned the
-    lossless embed memo on where the model has Wan's condition embedder): the fused kernels, and the memo off
-    with ``--no-embed-memo``."""
+    lossless embed memo on where the model has Wan's condition embedder): the fused kernels, the memo off
+    with ``--no-embed-memo``, then the ``--preset`` (its report logged)."""
     if args.fused_kernels:
         pipe.enable_fused_kernels()
     if not args.embed_memo:
         pipe.disable_embed_memo()
+    if getattr(args, "preset", None):
+        import logging
+
+        report = pipe.enable_acceleration(args.preset)
+        logging.getLogger(__name__).info(report.summary())

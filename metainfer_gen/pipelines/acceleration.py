@@ -105,6 +105,10 @@ class AccelerationMixin:
         else:
             self.load_lora(config["file"], adapter_name=STEP_LORA_ADAPTER)
             self.fuse_lora()
+            # The merged weights become the base: the adapter layers go (no per-call LoRA cost, and LoRAs a
+            # request names later load on top of the stepped model as on any base).
+            self.diffusers_pipeline.unload_lora_weights()
+            self._loras = None
             report.call_defaults.update(num_inference_steps=int(config["num_inference_steps"]),
                                         guidance_scale=float(config["guidance_scale"]))
             report.on("step_lora", f"{Path(config['file']).name} fused into the weights; "

@@ -50,6 +50,8 @@ class VideoServeConfig:
         lora: ``(name, weight) -> (path, weight)`` for names in the LoRA folder (None: no LoRAs).
         max_upload_bytes: largest multipart body (the reference image with the fields).
         cache_names: the ``cache`` policies requests may name (default: ``off`` and every step-cache policy).
+        preset: the workers' ``enable_acceleration`` preset (None: none); a request's ``cache`` "off" then means
+            the preset's step cache, another policy replaces it for that request.
     Raises:
         ValueError: ``num_workers`` < 0, ``num_threads`` < 1, no limits, an unknown store scheme, or a shared store
             without ``clips_dir``.
@@ -70,6 +72,7 @@ class VideoServeConfig:
     clips_dir: str | Path | None = None
     lease_s: float = DEFAULT_LEASE_S
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    preset: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_workers < 0 or (self.num_threads is not None and self.num_threads < 1):
@@ -162,7 +165,8 @@ class VideoService:
         threads = config.num_threads or max(1, usable_cores() // max(1, config.num_workers))
         return WorkerSpec(index, self.store_address, str(self.clips_dir), str(self.uploads_dir),
                           f"{self.node}/{index}", None if config.model is None else str(config.model),
-                          config.device, config.dtype, threads, os.getpid(), config.lease_s, config.max_attempts)
+                          config.device, config.dtype, threads, os.getpid(), config.lease_s, config.max_attempts,
+                          config.preset)
 
     @property
     def ready(self) -> bool:

@@ -45,6 +45,7 @@ class WorkerSpec:
             None (the pipeline's default). num_threads: CPU threads of this process (None: torch's default).
         parent_pid: the starting process's pid; the worker exits when its parent is gone.
         lease_s / max_attempts: the store's lease length (seconds) and attempt cap.
+        preset: ``enable_acceleration`` preset of the loaded pipeline (None: none).
     """
 
     index: int
@@ -59,6 +60,7 @@ class WorkerSpec:
     parent_pid: int = 0
     lease_s: float = DEFAULT_LEASE_S
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    preset: str | None = None
 
 
 def ready_key(owner: str) -> str:
@@ -132,6 +134,8 @@ class VideoWorker:
             self.t2v.enable_embed_memo()  # lossless; on by default, as in `render` and the demo
         except ValueError:
             pass  # no Wan-style condition embedder: nothing to memoise
+        if spec.preset:
+            self.t2v.enable_acceleration(spec.preset)  # before from_pipe and the defaults: both follow it
         _ = self.t2v.loras  # made before from_pipe, so both tasks share one adapter set on the shared transformer
         try:
             self.i2v = ImageToVideoPipeline.from_pipe(self.t2v)
@@ -145,6 +149,7 @@ class VideoWorker:
         defaults = {name: self.t2v.default(name) for name in names}
         self.store.set_meta("defaults", {k: v for k, v in defaults.items() if isinstance(v, (int, float))})
         self.store.set_meta(ready_key(spec.owner), os.getpid())
+        self._default_cache = self.t2v.step_cache  # the preset's, kept for requests that ask none
         self._cache = "off"
 
     def run_one(self) -> bool:
@@ -228,6 +233,8 @@ class VideoWorker:
             self._cache = "off"
             if spec != "off":
                 self.t2v.enable_step_cache(spec)
+            elif self._default_cache is not None:
+                self.t2v.enable_step_cache(self._default_cache)
             if self.i2v is not None:
                 self.i2v.step_cache = self.t2v.step_cache  # same transformer: the hooks are shared
             self._cache = spec
