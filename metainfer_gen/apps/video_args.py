@@ -23,7 +23,7 @@ def add_video_model_arguments(p: argparse.ArgumentParser) -> None:
                         "and on by default where the model has Wan's condition embedder)")
     p.add_argument("--preset", choices=PRESET_NAMES, default=None,
                    help="every acceleration safe for this model and machine at once (pipe.enable_acceleration): "
-                        "quality, balanced (bf16 VAE where it checks out, step cache auto) or fastest (also the "
+                        "quality, balanced (also a bf16 VAE where it checks out) or fastest (also the "
                         "model's step LoRA fused and a bf16 transformer where it checks out); the step cache it "
                         "picks stands unless a cache is asked for (--cache, or the request's); default: none")
 
