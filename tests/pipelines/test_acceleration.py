@@ -134,3 +134,14 @@ def test_fastest_on_the_embedded_model_fuses_its_step_lora_and_renders_at_its_st
     np.testing.assert_array_equal(first.frames, second.frames)
     assert first.settings["num_inference_steps"] == 4 and first.stats.transformer_calls == 4  # unguided
     assert pipe(PROMPT, seed=2, num_inference_steps=6).stats.transformer_calls == 6  # a call's own value wins
+
+
+def test_forced_regional_compilation_compiles_each_block_and_keeps_the_clip(tiny_wan_dir):
+    """The GPU path, forced on the CPU (slow: one inductor compile of the tiny model's blocks)."""
+    reference = _pipe(tiny_wan_dir)(PROMPT, seed=0, **CALL).frames
+    pipe = _pipe(tiny_wan_dir)
+    report = pipe.enable_acceleration("quality", compile_blocks=True)
+    _check_report_matches_the_pipeline(pipe, report)
+    assert report.enabled["fused_kernels"].startswith("outside the blocks")
+    frames = pipe(PROMPT, seed=0, **CALL).frames
+    assert np.abs(frames.astype(int) - reference.astype(int)).max() <= 2  # uint8 levels: fp32 reordering
