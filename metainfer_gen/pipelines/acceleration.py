@@ -19,7 +19,7 @@ STEP_LORA_ADAPTER = "steps"
 # The embedded model's step LoRA (demo_models/video/train_step_lora.py): distilled for 4-8 unguided steps.
 EMBEDDED_STEP_LORA = {"file": "steps_4_8.safetensors", "num_inference_steps": 4, "guidance_scale": 1.0}
 PROBE_MAX_PIXELS, PROBE_MAX_FRAMES = 128, 17  # the bf16 checks' largest probe: 17 frames of 128x128
-# Why regional compilation stays off on the CPU (measured 2026-12-02 with the embedded model, unfused, 4 unguided steps):
+# Why regional compilation stays off on the CPU (measured on the embedded model, unfused, 4 unguided steps):
 CPU_COMPILE_REFUSAL = ("does not pay on the CPU at this model's size: on the embedded model (AVX512-BF16, 1 thread) "
                        "a 4-step clip took 1.57 s compiled against 1.58 s eager, after a 22-47 s first call; pass "
                        "compile_blocks=True to force it")
