@@ -35,9 +35,10 @@ def add_job_store_arguments(p: argparse.ArgumentParser, role: str = "serve") -> 
     p.add_argument("--lease-seconds", type=positive_float, default=DEFAULT_LEASE_S,
                    help=f"how long a claimed job stays with a worker that stopped sending heartbeats before another "
                         f"machine takes it over (default {DEFAULT_LEASE_S:g})")
-    p.add_argument("--max-attempts", type=positive_int, default=DEFAULT_MAX_ATTEMPTS,
-                   help=f"claims a job may take (each lost lease spends one) before it fails "
-                        f"(default {DEFAULT_MAX_ATTEMPTS})")
+    p.add_argument("--max-attempts", "--max-job-attempts", dest="max_attempts", type=positive_int,
+                   default=DEFAULT_MAX_ATTEMPTS,
+                   help=f"claims a job may take (each lost lease, each worker process that dies running it, each "
+                        f"server stopped under it spends one) before it fails (default {DEFAULT_MAX_ATTEMPTS})")
 
 
 def job_store_options(args: argparse.Namespace) -> dict:

@@ -21,7 +21,7 @@ import argparse
 import os
 import sys
 
-from metainfer_gen.apps.arg_types import port, positive_int
+from metainfer_gen.apps.arg_types import non_negative_int, port, positive_float, positive_int
 from metainfer_gen.apps.llm_args import add_llm_engine_arguments, add_tp_argument, engine_options
 from metainfer_gen.apps.video_serve_args import NONE, add_video_serve_arguments, video_serve_config
 
@@ -31,6 +31,7 @@ API_KEY_ENV = "METAINFER_GEN_API_KEY"
 
 def add_serve_parser(subparsers) -> None:
     """Register the ``serve`` subcommand on the CLI's subparsers."""
+    from metainfer_gen.serve.admission import DEFAULT_HEALTH_STEP_TIMEOUT_S
     from metainfer_gen.serve.http_io import DEFAULT_MAX_BODY_BYTES
 
     p = subparsers.add_parser("serve", help="serve an LLM and a video model over OpenAI's API (completions, chat, "
@@ -74,6 +75,14 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None,
                    help="the LLM's weights and activations (default bfloat16 where the hardware has it natively: a "
                         "GPU, a CPU with AMX-BF16 or AVX512-BF16; float32 elsewhere; `metainfer-gen doctor` says which)")
+    p.add_argument("--max-queued-requests", type=non_negative_int, default=None,
+                   help="LLM requests that may wait behind the --max-num-seqs running ones; more get 429 with "
+                        "Retry-After (default: unbounded)")
+    p.add_argument("--max-queued-videos", type=non_negative_int, default=None,
+                   help="video jobs that may wait in the queue; more get 429 with Retry-After (default: unbounded)")
+    p.add_argument("--health-step-timeout", type=positive_float, default=DEFAULT_HEALTH_STEP_TIMEOUT_S,
+                   help="/health answers 503 once the engine has not stepped for this many seconds while requests "
+                        f"wait (default {DEFAULT_HEALTH_STEP_TIMEOUT_S:g})")
     add_llm_engine_arguments(p)
     add_video_serve_arguments(p)
     add_tp_argument(p)
@@ -121,7 +130,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServeConfig(llm=None if args.llm == NONE else args.llm, host=args.host, port=args.port,
                          api_key=args.api_key, max_num_seqs=args.max_num_seqs, max_body_bytes=args.max_body_bytes,
                          served_model_name=args.served_model_name, engine=engine, with_llm=args.llm != NONE,
-                         video=video)
+                         video=video, admission={"max_queued_requests": args.max_queued_requests,
+                                                 "max_queued_videos": args.max_queued_videos,
+                                                 "health_step_timeout_s": args.health_step_timeout})
     try:
         bind_socket(args.host, args.port).close()  # a taken port fails now, not after the model loaded
         if video is not None and video.job_store is None:  # and so does a data folder another server holds
@@ -129,7 +140,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
             from metainfer_gen.serve.video.service import lock_data_dir
 
+            from metainfer_gen.serve.video.sqlite_store import STORE_NAME, SQLiteJobStore
+
             lock_data_dir(Path(video.data_dir).resolve()).close()
+            SQLiteJobStore(Path(video.data_dir).resolve() / STORE_NAME).close()  # a corrupt file: named, exit 2
         elif video is not None:  # and a fleet store that is unreachable, too new, or needs the fleet extra
             from metainfer_gen.serve.video.stores import open_job_store
 
@@ -140,7 +154,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"error: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
-    except RuntimeError as exc:  # DataDirInUse, JobStoreUnavailable, SchemaTooNew
+    except RuntimeError as exc:  # DataDirInUse, JobStoreUnavailable, JobStoreCorrupt, SchemaTooNew
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not config.with_llm:

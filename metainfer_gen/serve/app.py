@@ -15,6 +15,7 @@ import logging
 import uuid
 from dataclasses import dataclass
 
+from metainfer_gen.serve.admission import DEFAULT_HEALTH_STEP_TIMEOUT_S, engine_problem
 from metainfer_gen.serve.chat import chat_token_ids
 from metainfer_gen.serve.errors import APIError, bad_request, error_body, http_error
 from metainfer_gen.serve.generation import generate
@@ -32,13 +33,21 @@ class AppSettings:
         model_name: the name clients pass as ``model`` (requests naming another model get a 400).
         api_key: required Bearer token, or None for an open server.
         max_body_bytes: request bodies larger than this get a 413 (default 1 MiB).
+        max_queued_requests: LLM requests that may wait behind the running batch; more get a 429 with
+            ``Retry-After`` (None: unbounded).
+        max_queued_videos: video jobs that may wait in the queue; more get a 429 (None: unbounded).
+        health_step_timeout_s: ``/health`` answers 503 once the engine has not stepped for this long while
+            requests wait, seconds.
     Raises:
-        ValueError: an empty name or key, or a non-positive body limit.
+        ValueError: an empty name or key, or a non-positive limit.
     """
 
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_queued_requests: int | None = None
+    max_queued_videos: int | None = None
+    health_step_timeout_s: float = DEFAULT_HEALTH_STEP_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -47,6 +56,11 @@ class AppSettings:
             raise ValueError("api_key must be None or a non-empty string")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1; got {self.max_body_bytes}")
+        if any(n is not None and n < 0 for n in (self.max_queued_requests, self.max_queued_videos)):
+            raise ValueError(f"max_queued_requests and max_queued_videos must be None or >= 0; got "
+                             f"{self.max_queued_requests}, {self.max_queued_videos}")
+        if not self.health_step_timeout_s > 0:
+            raise ValueError(f"health_step_timeout_s must be > 0; got {self.health_step_timeout_s}")
 
 
 def new_app():
@@ -65,7 +79,7 @@ def new_app():
 
     @app.exception_handler(APIError)
     async def _api_error(_, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_, exc: RequestValidationError):  # a typed query parameter: our 400, not a 422
@@ -156,7 +170,8 @@ def build_app(front, metrics, settings: AppSettings, extra_health=None):
         return await read_json(request, settings.max_body_bytes)
 
     async def answer(request: Request, req, prompts_ids: list[list[int]]):
-        result = await generate(front, request, req, prompts_ids, settings.model_name, engine.max_model_len)
+        result = await generate(front, request, req, prompts_ids, settings.model_name, engine.max_model_len,
+                                settings.max_queued_requests)
         if isinstance(result, dict):
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream",
@@ -206,14 +221,14 @@ def build_app(front, metrics, settings: AppSettings, extra_health=None):
 
     @app.get("/health")
     async def health():
-        problem = "the engine thread has stopped" if not front.is_alive else extra_health and extra_health()
+        problem = engine_problem(front, settings.health_step_timeout_s) or (extra_health and extra_health())
         if problem:
             return JSONResponse(error_body(problem, "service_unavailable"), status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def prometheus_metrics():
-        body, content_type = metrics.render()
+    async def prometheus_metrics():  # off the loop: the video collector reads the job store
+        body, content_type = await asyncio.to_thread(metrics.render)
         return Response(body, media_type=content_type)
 
     def encode_text(text: str, add_special_tokens: bool = True) -> list[int]:

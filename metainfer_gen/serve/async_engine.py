@@ -22,26 +22,13 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 
 from metainfer_gen.llm.detokenizer import IncrementalDetokenizer
 from metainfer_gen.llm.sequence import SamplingParams
-from metainfer_gen.serve.streams import RequestStream, StreamEvent, put_all, resolve
+from metainfer_gen.serve.streams import OpenRequest, RequestStream, StreamEvent, put_all, resolve
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
-
-
-@dataclass(eq=False)
-class _Request:
-    """Engine-thread state of one open request."""
-
-    stream: RequestStream
-    loop: asyncio.AbstractEventLoop
-    detokenizer: IncrementalDetokenizer
-    arrival: float = field(default_factory=time.perf_counter)
-    last_token_time: float | None = None
-    num_output_tokens: int = 0
 
 
 class AsyncLLMEngine:
@@ -53,10 +40,8 @@ class AsyncLLMEngine:
             ``on_finished(reason, e2e_s)`` and ``on_step(engine)`` (see :mod:`metainfer_gen.serve.metrics`).
         idle_wait_s: how long the loop sleeps between checks when no request is open (a command wakes it).
         start_thread: run the engine loop in a thread started here (default); False leaves it to
-            :meth:`run_here`, which ``metainfer-gen serve`` calls on the process's main thread: torch's OpenMP
-            regions opened from another thread ran about 2x slower at 2 threads (a 2,048 x 384 bf16 product
-            363 vs 274 us, an elementwise product 191 vs 106 us, on a 2-core Xeon; libgomp), which made the served
-            TPOT 36 ms against 14 ms offline.
+            :meth:`run_here`, which ``metainfer-gen serve`` calls on the main thread (torch's OpenMP regions ran
+            about 2x slower from another thread: see :meth:`~metainfer_gen.serve.server.LLMServer.run_forever`).
     """
 
     def __init__(self, engine, metrics=None, *, idle_wait_s: float = 0.5, start_thread: bool = True):
@@ -67,12 +52,15 @@ class AsyncLLMEngine:
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, OpenRequest] = {}
         # Events of one engine step, per event loop, handed over in one call: a call_soon_threadsafe per event
         # wakes the loop (a self-pipe write) once per request per step.
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}
         self._closing = False
         self.num_steps = 0
+        self._num_adding = 0  # adds posted and not yet applied (the event loop's side of the admission count)
+        self._adding_lock = threading.Lock()
+        self.last_step_at = time.monotonic()  # the loop's last step or idle check (liveness that means progress)
         self._stopped = threading.Event()  # the loop has returned (or never ran)
         self._thread = None
         if start_thread:
@@ -125,7 +113,9 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id or f"req-{next(_ids)}", len(prompt_token_ids))
         detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_token_ids, stop)  # checks ``stop``
         accepted = loop.create_future()
-        self._post(("add", _Request(stream, loop, detokenizer), list(prompt_token_ids), params, accepted))
+        with self._adding_lock:
+            self._num_adding += 1
+        self._post(("add", OpenRequest(stream, loop, detokenizer), list(prompt_token_ids), params, accepted))
         try:
             await accepted
         except asyncio.CancelledError:  # the caller went away while the engine thread was adding
@@ -134,13 +124,21 @@ class AsyncLLMEngine:
         return stream
 
     def abort(self, request_id: str) -> None:
-        """End a request before the next engine step (its stream gets a finished event, reason "abort").
-        Unknown or finished ids are ignored."""
+        """End a request before the next step (a finished event, reason "abort"); unknown ids are ignored."""
         self._post(("abort", request_id))
 
     @property
     def num_open_requests(self) -> int:
         return len(self._requests)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests open in the engine or posted and not yet applied (any thread; ``--max-queued-requests``)."""
+        return self._num_adding + len(self._requests)
+
+    def stalled_s(self) -> float:
+        """Seconds since the loop last stepped or checked for work while requests wait; 0.0 when none waits."""
+        return time.monotonic() - self.last_step_at if self.num_unfinished else 0.0
 
     @property
     def is_alive(self) -> bool:
@@ -167,6 +165,7 @@ class AsyncLLMEngine:
 
     def _run(self) -> None:
         while True:
+            self.last_step_at = time.monotonic()
             running = self._apply_commands()
             self._flush()
             if not running or (self._stop_when is not None and self._stop_when()):
@@ -183,6 +182,7 @@ class AsyncLLMEngine:
                     self._abort(request_id, "error", f"the engine step failed ({type(exc).__name__})")
                 continue
             self.num_steps += 1
+            self.last_step_at = time.monotonic()
             if self.metrics is not None:  # before delivering: a client that sees its answer sees the step's gauges
                 self.metrics.on_step(self.engine)
             now = time.perf_counter()
@@ -227,19 +227,26 @@ class AsyncLLMEngine:
                 return
             if command[0] == "add":
                 request, accepted = command[1], command[-1]
+                self._added()
                 request.loop.call_soon_threadsafe(resolve, accepted, RuntimeError("the engine front is closed"))
 
-    def _add(self, request: _Request, token_ids: list[int], params: SamplingParams, accepted) -> None:
+    def _add(self, request: OpenRequest, token_ids: list[int], params: SamplingParams, accepted) -> None:
         try:
             self.engine.add_request(token_ids, params, request_id=request.stream.request_id)
         except Exception as exc:  # ValueError / RequestRejected: the caller's 400; anything else its 500
+            self._added()
             request.loop.call_soon_threadsafe(resolve, accepted, exc)
             return
         self._requests[request.stream.request_id] = request
+        self._added()
         request.loop.call_soon_threadsafe(resolve, accepted, None)
         if self.metrics is not None:
             self.metrics.on_added(len(token_ids))
             self.metrics.on_step(self.engine)
+
+    def _added(self) -> None:
+        with self._adding_lock:  # one add posted earlier has been applied or refused
+            self._num_adding -= 1
 
     def _abort(self, request_id: str, reason: str, error: str | None = None) -> None:
         request = self._requests.pop(request_id, None)
@@ -274,7 +281,7 @@ class AsyncLLMEngine:
         else:
             self._send(request, event)
 
-    def _send(self, request: _Request, event: StreamEvent, finish_reason: str | None = None,
+    def _send(self, request: OpenRequest, event: StreamEvent, finish_reason: str | None = None,
               error: str | None = None) -> None:
         event.num_prompt_tokens = request.stream.num_prompt_tokens
         event.num_output_tokens = request.num_output_tokens

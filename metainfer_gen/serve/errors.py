@@ -13,8 +13,9 @@ from http import HTTPStatus
 _ABSOLUTE_PATH = re.compile(r"(?<![\w.~:/])/(?:[^\s'\":,()/]+/)+([^\s'\":,()/]*)")
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error",
-          503: "service_unavailable"}
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "requests",
+          500: "internal_server_error", 503: "service_unavailable"}
+RETRY_AFTER_S = 1  # what a 429 / 503 of a full queue or a busy store asks a client to wait, seconds
 
 
 class APIError(Exception):
@@ -25,10 +26,13 @@ class APIError(Exception):
         message: what was wrong and how to fix it.
         param: the request field at fault, or None.
         code: a short machine-readable code ("invalid_value", "model_not_found", "context_length_exceeded", ...).
+        headers: extra response headers (``Retry-After`` of a 429 or 503).
     """
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -48,6 +52,13 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def retry_later(status: int, message: str, code: str, retry_after_s: int = RETRY_AFTER_S) -> APIError:
+    """A refusal that is no fault of the request: 429 (a full queue, OpenAI's type ``requests``) or 503 (a busy
+    store), with ``Retry-After: retry_after_s`` (seconds), which the ``openai`` SDK's retries honour."""
+    return APIError(status, f"{message}; retry in {retry_after_s} s", code=code,
+                    headers={"Retry-After": str(retry_after_s)})
 
 
 def http_error(status: int, detail: str | None = None) -> APIError:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from metainfer_gen.llm.engine import RequestRejected
 from metainfer_gen.llm.sequence import SamplingParams
+from metainfer_gen.serve.admission import check_llm_admission
 from metainfer_gen.serve.errors import APIError, bad_request
 from metainfer_gen.serve.http_io import on_disconnect
 from metainfer_gen.serve.logprobs_format import LogprobsFormatter
@@ -23,9 +24,11 @@ from metainfer_gen.serve.responses import DONE, ResponseFormat, sse
 
 
 def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_len: int,
-                    sample_index: int = 0) -> SamplingParams:
-    """Engine settings for ``req``; no ``max_tokens`` means the rest of the context. Sample j of ``n`` draws with
-    ``seed + j`` when a seed is given, so the samples differ and each reproduces.
+                    sample_index: int = 0, capacity_tokens: int | None = None) -> SamplingParams:
+    """Engine settings for ``req``; no ``max_tokens`` means what the context and the KV pool can hold
+    (``capacity_tokens``, the pool's tokens; OpenAI's meaning: the rest of the context), never a refusal for a
+    pool smaller than ``max_model_len``. Sample j of ``n`` draws with ``seed + j`` when a seed is given, so the
+    samples differ and each reproduces.
 
     Raises:
         APIError: 400 (code ``context_length_exceeded``) when the prompt plus ``max_tokens`` exceeds
@@ -36,7 +39,8 @@ def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_le
         raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but the {field_name} "
                             f"has {num_prompt_tokens} tokens, leaving none to generate; shorten the {field_name}",
                        param=field_name, code="context_length_exceeded")
-    max_tokens = req.max_tokens if req.max_tokens is not None else max_model_len - num_prompt_tokens
+    room = min(max_model_len, capacity_tokens or max_model_len) - num_prompt_tokens
+    max_tokens = req.max_tokens if req.max_tokens is not None else max(1, room)  # 1: the pool's refusal says why
     if num_prompt_tokens + max_tokens > max_model_len:
         raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; you asked for "
                             f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the {field_name}, "
@@ -67,18 +71,22 @@ class _Choice:
 
 
 async def generate(front, request, req: GenerationRequest, prompts_ids: list[list[int]], model_name: str,
-                   max_model_len: int):
+                   max_model_len: int, max_queued: int | None = None):
     """Queue ``req`` (one list of token ids per prompt) and answer: a JSON dict (whole answer) or an async
-    iterator of SSE bytes (``stream``).
+    iterator of SSE bytes (``stream``). ``max_queued``: ``--max-queued-requests`` (None: unbounded).
 
     Raises:
-        APIError: 400 for a prompt too long for the context or the KV pool, or token ids outside the vocabulary.
+        APIError: 400 for a prompt too long for the context or the KV pool, or token ids outside the vocabulary;
+            429 with ``Retry-After`` when the queue is full (nothing queued).
     """
     _check_token_ids(prompts_ids, front.engine.model.config.vocab_size, req)
-    params = [[sampling_params(req, len(ids), max_model_len, j) for j in range(req.n)] for ids in prompts_ids]
+    capacity = front.engine.kv_capacity_tokens
+    params = [[sampling_params(req, len(ids), max_model_len, j, capacity) for j in range(req.n)]
+              for ids in prompts_ids]
     chat = req.messages is not None
     fmt = ResponseFormat(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model_name, int(time.time()),
                          chat, req.include_usage)
+    check_llm_admission(front, req.num_choices, max_queued)  # no await from here to the first add
     streams = await _add_all(front, req, prompts_ids, params, fmt.request_id)
     # Watch from now on, not from the stream's first chunk: a client gone before Starlette starts the stream
     # (which then never runs its ``finally``) is aborted all the same.

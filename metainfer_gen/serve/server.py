@@ -56,6 +56,8 @@ class ServeConfig:
             Python's 5 ms). The engine thread releases the GIL in every torch op and then waits for the event loop
             to hand it back: a 64-request embedded-LLM batch took 0.80 s served at 5 ms and 0.70 s at 0.5 ms
             (0.3 s offline; benchmarks/serve_profile.py, docs/benchmarks_serving.md#serving).
+        admission: further :class:`~metainfer_gen.serve.app.AppSettings` fields (``max_queued_requests``,
+            ``max_queued_videos``, ``health_step_timeout_s``).
     Raises:
         ValueError: a port outside [0, 65535], or non-positive limits.
     """
@@ -71,6 +73,7 @@ class ServeConfig:
     with_llm: bool = True
     video: object = None
     switch_interval_s: float | None = 0.0005
+    admission: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -105,7 +108,7 @@ class LLMServer:
             FileNotFoundError / ValueError: bad checkpoint or settings.
         """
         require_serve_dependencies()
-        AppSettings("x", config.api_key, config.max_body_bytes)  # check the key and limits before loading
+        settings(config, "x")  # check the key and limits before loading
         sock = bind_socket(config.host, config.port)
         if config.switch_interval_s is not None:
             sys.setswitchinterval(config.switch_interval_s)
@@ -136,7 +139,7 @@ class LLMServer:
             front = AsyncLLMEngine(pipe.engine, metrics, start_thread=engine_thread)
         try:
             video = VideoService.start(config.video) if config.video is not None else None
-            app = serving_app(front, metrics, AppSettings(name, config.api_key, config.max_body_bytes), video)
+            app = serving_app(front, metrics, settings(config, name), video)
         except BaseException:
             for part in (front, video):
                 if part is not None:
@@ -228,6 +231,11 @@ class LLMServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def settings(config: ServeConfig, model_name: str) -> AppSettings:
+    """The app's settings of ``config``. Raises ValueError for a bad key or limit."""
+    return AppSettings(model_name, config.api_key, config.max_body_bytes, **config.admission)
 
 
 def _raise_keyboard_interrupt(signum, frame) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 
@@ -73,3 +74,16 @@ def resolve(future: asyncio.Future, exc: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(exc)
+
+
+@dataclass(eq=False)
+class OpenRequest:
+    """Engine-thread state of one open request of :class:`~metainfer_gen.serve.async_engine.AsyncLLMEngine`:
+    its stream, the event loop it is read on, its detokenizer, and its timings (``time.perf_counter`` seconds)."""
+
+    stream: RequestStream
+    loop: asyncio.AbstractEventLoop
+    detokenizer: object  # an IncrementalDetokenizer
+    arrival: float = field(default_factory=time.perf_counter)
+    last_token_time: float | None = None
+    num_output_tokens: int = 0

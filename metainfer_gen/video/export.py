@@ -125,11 +125,35 @@ def save_video(frames: np.ndarray, path: str | os.PathLike, fps: float = 8.0) ->
                     writer.append_data(frame)
         else:
             write_gif(frames, tmp_name, delays)  # not imageio's: Pillow's writer merges identical frames
+        check_written(tmp_name, len(frames))
         durable_replace(tmp_name, path)
     finally:
         if os.path.exists(tmp_name):
             os.unlink(tmp_name)
     return path
+
+
+class ClipWriteError(OSError):
+    """A clip was written but does not read back whole: ffmpeg's writer reports a full disk or a failed close on
+    its log only, so a truncated MP4 would otherwise pass for a finished one."""
+
+
+def check_written(path: str | os.PathLike, num_frames: int) -> None:
+    """Decode the clip at ``path`` and count its frames (before it is renamed into place).
+
+    Raises:
+        ClipWriteError: it does not decode, or has fewer than ``num_frames`` frames (errno EIO; no path in the
+            message: it reaches API clients).
+    """
+    import errno
+
+    try:
+        found = len(read_video(path))
+    except Exception as exc:  # noqa: BLE001 - whatever the decoder raises, the clip is not whole
+        raise ClipWriteError(errno.EIO, f"the written clip does not decode ({type(exc).__name__}); is the disk "
+                                        "full?") from exc
+    if found < num_frames:
+        raise ClipWriteError(errno.EIO, f"the written clip has {found} of its {num_frames} frames; is the disk full?")
 
 
 def durable_replace(src: str | os.PathLike, dst: str | os.PathLike) -> None:

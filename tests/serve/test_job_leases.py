@@ -57,14 +57,20 @@ def test_a_cancel_from_another_connection_stops_the_running_job(opener):
     assert api_side.get("a").status is JobStatus.CANCELLED
 
 
-def test_a_dead_workers_job_fails_by_owner_alone(opener):
-    store = opener()
+def test_a_dead_workers_job_is_requeued_by_owner_alone_then_fails_at_max_attempts(opener):
+    store = opener(max_attempts=2)
     store.add("a", {})
     store.add("b", {})
     store.claim(0, owner="host-a/0")
     store.claim(0, owner="host-b/0")  # the same worker index on another machine
-    assert store.fail_running_of("host-a/0", "exited") == 1
-    assert store.get("a").status is JobStatus.FAILED and store.get("b").status is JobStatus.IN_PROGRESS
+    assert store.requeue_running_of("host-a/0", "exited") == 1
+    assert store.get("a").status is JobStatus.QUEUED and store.get("b").status is JobStatus.IN_PROGRESS
+    assert store.claim(0, owner="host-a/0").id == "a"  # its second claim: the last one max_attempts allows
+    assert store.requeue_running_of("host-a/0", "the worker died") == 1
+    failed = store.get("a")
+    assert failed.status is JobStatus.FAILED and failed.attempt == 2 and failed.completed_at is not None
+    assert failed.error == "gave up after 2 attempts: the worker died"
+    assert store.get("b").status is JobStatus.IN_PROGRESS
 
 
 def test_a_newer_sqlite_schema_is_refused_and_an_old_one_upgraded(tmp_path):

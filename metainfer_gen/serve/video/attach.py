@@ -3,6 +3,8 @@ model is), one ``/health`` and one ``/metrics`` covering both, one API key."""
 
 from __future__ import annotations
 
+import asyncio
+
 from metainfer_gen.serve.info_routes import add_info_routes, served_model
 from metainfer_gen.serve.openapi_docs import common_operations, install_schema, llm_operations
 from metainfer_gen.serve.openapi_video import video_operations
@@ -27,7 +29,11 @@ def serving_app(front, llm_metrics, settings, video=None):
         raise ValueError("nothing to serve: give an LLM, a video model, or both")
 
     def video_health() -> str | None:  # an API-only node (no workers of its own) is healthy while it answers
-        if video is not None and video.config.num_workers > 0 and video.num_alive_workers == 0:
+        if video is None or video.config.num_workers == 0:
+            return None
+        if not video.pool.supervising:
+            return "the video worker supervisor has stopped: dead workers are not restarted"
+        if video.num_alive_workers == 0:
             return "no video worker process is running"
         return None
 
@@ -50,15 +56,15 @@ def serving_app(front, llm_metrics, settings, video=None):
             return {"status": "ok"}
 
         @app.get("/metrics")
-        async def metrics():
-            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        async def metrics():  # off the loop: the collector reads the job store
+            return Response(await asyncio.to_thread(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
 
     operations = common_operations()
     if front is not None:
         operations.update(llm_operations(settings.model_name, front.engine.model.config.vocab_size))
     if video is not None:
         registry.register(VideoCollector(video))
-        add_video_routes(app, video, settings.api_key, settings.max_body_bytes)
+        add_video_routes(app, video, settings.api_key, settings.max_body_bytes, settings.max_queued_videos)
         app.state.models.append(served_model(video.model_name, "video"))
         operations.update(video_operations(video.model_name))
     add_info_routes(app, settings.api_key)  # last: its HEAD routes cover every GET route above

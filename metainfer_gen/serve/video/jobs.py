@@ -14,6 +14,7 @@ store, not a belief. Times are the database's clock (one clock for the whole fle
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from enum import Enum
@@ -22,6 +23,7 @@ from typing import Any
 SCHEMA_VERSION = 2  # 1: before leases; 2: leases (owner, lease_expires_at, queued_at, claimed_at)
 DEFAULT_LEASE_S = 30.0
 DEFAULT_MAX_ATTEMPTS = 3
+log = logging.getLogger(__name__)
 
 
 class JobStatus(str, Enum):
@@ -67,6 +69,10 @@ class SchemaTooNew(RuntimeError):
     """The store was made by a newer metainfer-gen than this one: refuse it rather than misread it."""
 
 
+class JobStoreCorrupt(RuntimeError):
+    """The store's file is not a database this code can read (truncated, overwritten, not SQLite at all)."""
+
+
 class JobStoreUnavailable(RuntimeError):
     """The store cannot be reached (the database server is down or the address is wrong) within the retry time."""
 
@@ -87,7 +93,18 @@ _HELD = "id = ? AND status = 'in_progress' AND attempt = ?"  # the row still hol
 
 
 def _job(row) -> Job:
-    return Job(row[0], row[1], JobStatus(row[2]), json.loads(row[3]), row[4], row[5], bool(row[6]), *row[7:])
+    """The row as a :class:`Job`; a row this code cannot read (its request not a JSON object, an unknown status:
+    hand edits, a newer version's values) reads as ``failed`` with the reason, so it never breaks a list, and
+    ``DELETE`` removes it."""
+    try:
+        status, request = JobStatus(row[2]), json.loads(row[3])
+        if not isinstance(request, dict):
+            raise ValueError(f"the request is a JSON {type(request).__name__}, not an object")
+    except (TypeError, ValueError) as exc:  # json's JSONDecodeError is a ValueError
+        log.warning("job %s: the stored row cannot be read: %s", row[0], exc)
+        return Job(row[0], row[1], JobStatus.FAILED, {}, row[4], f"the stored job cannot be read ({exc}); delete "
+                                                                  "it", bool(row[6]), *row[7:])
+    return Job(row[0], row[1], status, request, row[4], row[5], bool(row[6]), *row[7:])
 
 
 class JobStore:
@@ -174,26 +191,33 @@ class JobStore:
 
     def requeue_interrupted(self) -> int:
         """Put every ``in_progress`` job back in the queue, leases or not: only for a store one server owns (at its
-        start, before its workers run). A cancel asked of one makes it ``cancelled`` instead. Returns how many."""
+        start, before its workers run). A cancel asked of one makes it ``cancelled``, and one that has had
+        ``max_attempts`` claims ``failed`` (a job that takes its server down never loops across restarts). Returns
+        how many moved."""
         if self.shared:
             raise RuntimeError("requeue_interrupted would take running jobs from other machines of the fleet; a "
                                "shared store requeues expired leases only (requeue_expired)")
-        rows = self._write("UPDATE jobs SET status = CASE cancel_requested WHEN 1 THEN 'cancelled' ELSE 'queued' "
-                           f"END, progress = 0, worker = NULL, lease_expires_at = NULL, queued_at = {self.NOW} "
-                           "WHERE status = 'in_progress' RETURNING id", notify=True)
-        return len(rows)
+        return self._requeue("TRUE", (), "its server stopped while it ran, each time")
 
     def requeue_expired(self) -> int:
         """Requeue the running jobs whose lease ran out (their worker's machine died or lost the store); a job that
         has had ``max_attempts`` claims fails instead, a cancelled one ends cancelled. Returns how many moved."""
+        return self._requeue(f"lease_expires_at < {self.NOW}", (), "the worker's lease expired each time")
+
+    def requeue_running_of(self, owner: str, why: str) -> int:
+        """Requeue the job the worker ``owner`` was running (its process died under it: ``why``), or fail it once it
+        has had ``max_attempts`` claims (a job that kills its worker is not retried forever); returns how many."""
+        return self._requeue("owner = ?", (owner,), why)
+
+    def _requeue(self, where: str, args: tuple, why: str) -> int:
         rows = self._write(f"UPDATE jobs SET status = CASE WHEN cancel_requested = 1 THEN 'cancelled' "
                            f"WHEN attempt >= ? THEN 'failed' ELSE 'queued' END, "
                            f"error = CASE WHEN cancel_requested = 0 AND attempt >= ? THEN ? ELSE error END, "
+                           f"completed_at = CASE WHEN cancel_requested = 1 OR attempt >= ? THEN ? ELSE NULL END, "
                            f"progress = 0, lease_expires_at = NULL, queued_at = {self.NOW} "
-                           f"WHERE status = 'in_progress' AND lease_expires_at < {self.NOW} RETURNING id",
-                           (self.max_attempts, self.max_attempts,
-                            f"gave up after {self.max_attempts} attempts: the worker's lease expired each time"),
-                           notify=True)
+                           f"WHERE status = 'in_progress' AND {where} RETURNING id",
+                           (self.max_attempts, self.max_attempts, f"gave up after {self.max_attempts} attempts: {why}",
+                            self.max_attempts, int(time.time()), *args), notify=True)
         return len(rows)
 
     def counts(self) -> dict[JobStatus, int]:
@@ -264,13 +288,6 @@ class JobStore:
 
     def fail(self, job: Job, error: str) -> bool:
         return self._end(job, JobStatus.FAILED, "error = ?, completed_at = ?", (error, int(time.time())))
-
-    def fail_running_of(self, owner: str, error: str) -> int:
-        """Fail the job the worker ``owner`` was running (its process died under it); returns how many."""
-        rows = self._write("UPDATE jobs SET status = 'failed', error = ?, completed_at = ?, lease_expires_at = NULL "
-                           "WHERE status = 'in_progress' AND owner = ? RETURNING id",
-                           (error, int(time.time()), owner))
-        return len(rows)
 
     def mark_cancelled(self, job: Job) -> bool:
         return self._end(job, JobStatus.CANCELLED, "completed_at = ?", (int(time.time()),))

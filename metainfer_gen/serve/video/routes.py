@@ -22,23 +22,34 @@ MAX_LIST = 100
 
 
 def video_object(job: Job, model_name: str) -> dict:
-    """A job as OpenAI's ``Video`` object (plus ``num_frames``, ``fps``, ``seed``, ``attempts``)."""
-    request = VideoRequest.from_dict(job.request)
-    error = {"code": "render_failed", "message": redact_paths(job.error or "")} \
-        if job.status is JobStatus.FAILED else None
-    return {"id": job.id, "object": "video", "created_at": job.created_at, "status": job.status.value,
-            "progress": job.progress, "model": model_name, "size": request.size, "seconds": request.seconds,
-            "prompt": request.prompt, "completed_at": job.completed_at, "expires_at": None, "error": error,
-            "remixed_from_video_id": None, "num_frames": request.num_frames, "fps": request.fps,
-            "seed": request.seed, "attempts": job.attempt}
+    """A job as OpenAI's ``Video`` object (plus ``num_frames``, ``fps``, ``seed``, ``attempts``); a stored request
+    this code cannot read gives ``failed`` with the reason and null request fields (the list stays readable)."""
+    status, error = job.status, job.error
+    try:
+        request = VideoRequest.from_dict(job.request)
+    except (TypeError, ValueError) as exc:
+        request, status, error = None, JobStatus.FAILED, f"the stored job cannot be read ({type(exc).__name__}); " \
+                                                          "delete it"
+    error = {"code": "render_failed", "message": redact_paths(error or "")} if status is JobStatus.FAILED else None
+    fields = {name: getattr(request, name, None) for name in ("size", "seconds", "prompt", "num_frames", "fps",
+                                                              "seed")}
+    return {"id": job.id, "object": "video", "created_at": job.created_at, "status": status.value,
+            "progress": job.progress, "model": model_name, "size": fields["size"], "seconds": fields["seconds"],
+            "prompt": fields["prompt"], "completed_at": job.completed_at, "expires_at": None, "error": error,
+            "remixed_from_video_id": None, "num_frames": fields["num_frames"], "fps": fields["fps"],
+            "seed": fields["seed"], "attempts": job.attempt}
 
 
-def add_video_routes(app, service, api_key: str | None, max_body_bytes: int) -> None:
-    """Add the routes to ``app`` (a FastAPI app whose handlers turn :class:`APIError` into OpenAI's JSON).
+def add_video_routes(app, service, api_key: str | None, max_body_bytes: int,
+                     max_queued: int | None = None) -> None:
+    """Add the routes to ``app`` (a FastAPI app whose handlers turn :class:`APIError` into OpenAI's JSON). Every
+    store call runs on the service's store threads (:meth:`~.service.VideoService.call`), never on the event
+    loop: a store locked by another process holds up those calls only.
 
     Args:
         service: the :class:`~.service.VideoService`. api_key: Bearer token required on every route (None: open).
         max_body_bytes: limit of JSON bodies; multipart bodies have ``service.config.max_upload_bytes``.
+        max_queued: ``--max-queued-videos`` (None: unbounded): a submit past it gets a 429 with ``Retry-After``.
     """
     from fastapi import Request
     from fastapi.responses import FileResponse, JSONResponse
@@ -68,10 +79,10 @@ def add_video_routes(app, service, api_key: str | None, max_body_bytes: int) -> 
                 raise bad_request("send input_reference as a file in a multipart/form-data request",
                                   "input_reference")
             body.pop("input_reference", None)
-        return await asyncio.to_thread(service.submit, body, image)
+        return await service.call(service.submit, body, image, max_queued)
 
-    def find(video_id: str) -> Job:
-        job = service.store.get(video_id)
+    async def find(video_id: str) -> Job:
+        job = await service.call(service.store.get, video_id)
         if job is None:
             raise APIError(404, f"no video {video_id!r}", param="video_id", code="video_not_found")
         return job
@@ -87,12 +98,12 @@ def add_video_routes(app, service, api_key: str | None, max_body_bytes: int) -> 
         try:
             while not job.status.finished:
                 if await request.is_disconnected():
-                    service.store.cancel(job.id)
+                    await service.call(service.store.cancel, job.id)
                     raise APIError(499, "the client went away; the job was cancelled", code="client_closed")
                 await asyncio.sleep(SYNC_POLL_S)
-                job = find(job.id)
+                job = await find(job.id)
         except asyncio.CancelledError:
-            service.store.cancel(job.id)
+            service.executor.submit(service.store.cancel, job.id)  # not awaited: this task is being cancelled
             raise
         if job.status is not JobStatus.COMPLETED:
             raise APIError(500 if job.status is JobStatus.FAILED else 409,
@@ -109,7 +120,7 @@ def add_video_routes(app, service, api_key: str | None, max_body_bytes: int) -> 
         if order != "desc":
             raise bad_request("only order=desc (newest first) is supported", "order")
         try:
-            jobs = service.store.list(limit + 1, after)
+            jobs = await service.call(service.store.list, limit + 1, after)
         except KeyError:
             raise APIError(404, f"no video {after!r} (the 'after' cursor)", param="after",
                            code="video_not_found") from None
@@ -120,7 +131,7 @@ def add_video_routes(app, service, api_key: str | None, max_body_bytes: int) -> 
     @app.get("/v1/videos/{video_id}")
     async def retrieve(request: Request, video_id: str):
         check_api_key(request, api_key)
-        return JSONResponse(video_object(find(video_id), name), headers=headers)
+        return JSONResponse(video_object(await find(video_id), name), headers=headers)
 
     @app.get("/v1/videos/{video_id}/content")
     async def content(request: Request, video_id: str, variant: str = "video"):
@@ -128,7 +139,7 @@ def add_video_routes(app, service, api_key: str | None, max_body_bytes: int) -> 
         refuse_query(request, ("variant",))
         if variant != "video":
             raise bad_request(f"variant {variant!r} is not available; this server keeps the video only", "variant")
-        job = find(video_id)
+        job = await find(video_id)
         path = service.clip_path(job)
         if job.status is not JobStatus.COMPLETED or not path.is_file():
             raise APIError(404, f"video {video_id} is {job.status.value}: its content exists once it is completed",
@@ -138,10 +149,10 @@ def add_video_routes(app, service, api_key: str | None, max_body_bytes: int) -> 
     @app.delete("/v1/videos/{video_id}")
     async def delete(request: Request, video_id: str):
         check_api_key(request, api_key)
-        job = find(video_id)
-        if job.status.finished and service.store.delete(video_id):
-            service.remove_files(job)
+        job = await find(video_id)
+        if job.status.finished and await service.call(service.store.delete, video_id):
+            await service.call(service.remove_files, job)
             return {"id": video_id, "object": "video.deleted", "deleted": True, "status": job.status.value}
-        job = service.store.cancel(video_id)
+        job = await service.call(service.store.cancel, video_id)
         return {"id": video_id, "object": "video.deleted", "deleted": False, "status": job.status.value,
                 "cancel_requested": job.cancel_requested}

@@ -14,20 +14,26 @@ jobs come back when their leases expire (:meth:`~.jobs.JobStore.requeue_expired`
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
+import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from metainfer_gen.serve.video.jobs import DEFAULT_LEASE_S, DEFAULT_MAX_ATTEMPTS, Job
-from metainfer_gen.serve.video.request import RequestChecks, VideoRequest, parse_video_request
+from metainfer_gen.serve.errors import retry_later
+from metainfer_gen.serve.video.jobs import (DEFAULT_LEASE_S, DEFAULT_MAX_ATTEMPTS, Job, JobStatus,
+                                            JobStoreUnavailable)
+from metainfer_gen.serve.video.request import RequestChecks, parse_video_request
 from metainfer_gen.serve.video.sqlite_store import STORE_NAME
 from metainfer_gen.serve.video.stores import open_job_store, store_scheme
 from metainfer_gen.serve.video.worker import CLIPS, UPLOADS, WorkerSpec
 from metainfer_gen.serve.video.worker_pool import WorkerPool, node_name, usable_cores
 
 DEFAULT_MAX_UPLOAD_BYTES = 20 << 20  # the demo's max_upload_mb
+STORE_THREADS = 4  # the routes' store calls: apart from asyncio's default threads (tokenizing) so neither starves
 
 
 @dataclass(slots=True)
@@ -149,7 +155,9 @@ class VideoService:
         self.checks = RequestChecks(config.limits, rules, defaults, self.model_name,
                                     config.cache_names or ("off", *policy_names()), config.lora)
         self._reported_defaults = False
+        self._submitting = threading.Lock()  # the queue bound's count and the insert, one submit at a time
         self.pool = WorkerPool(self.worker_spec, config.num_workers, self.store)
+        self.executor = ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="job-store")
         self._closed = False
 
     @classmethod
@@ -214,20 +222,48 @@ class VideoService:
                 self.checks.loading = False
         return self.checks.rules
 
-    def submit(self, body: dict[str, Any], image_bytes: bytes | None = None) -> Job:
-        """Check ``body`` (and the uploaded reference image), store the image, queue the job.
+    def submit(self, body: dict[str, Any], image_bytes: bytes | None = None, max_queued: int | None = None) -> Job:
+        """Check ``body`` (and the uploaded reference image), store the image, queue the job. ``max_queued``: the
+        jobs the queue may hold (``--max-queued-videos``; None: unbounded); exact within this server (its submits
+        take turns), approximate across the servers of a fleet.
 
         Raises:
-            APIError: 400 naming the field, before anything is written; 503 while the model is loading.
+            APIError: 400 naming the field, before anything is written; 503 while the model is loading; 429 with
+                ``Retry-After`` when the queue is full (nothing written).
         """
         from metainfer_gen.serve.video.uploads import store_image
 
         _ = self.ready  # picks up what a worker reported since
         job_id = f"video_{uuid.uuid4()}"
         request = parse_video_request(body, self.checks, image=f"{job_id}.png" if image_bytes is not None else None)
-        if image_bytes is not None:
-            store_image(image_bytes, self.uploads_dir / request.image, self.config.limits)
-        return self.store.add(job_id, request.to_dict())
+        with self._submitting:
+            if max_queued is not None:
+                queued = self.store.counts()[JobStatus.QUEUED]
+                if queued >= max_queued:
+                    raise retry_later(429, f"the video queue is full ({queued} jobs wait; --max-queued-videos "
+                                           f"{max_queued})", "queue_full")
+            if image_bytes is not None:
+                store_image(image_bytes, self.uploads_dir / request.image, self.config.limits)
+            return self.store.add(job_id, request.to_dict())
+
+    async def call(self, fn: Callable, *args):
+        """``fn(*args)`` on the store threads (a locked store must hold up these calls only, never the event loop).
+
+        Raises:
+            APIError: 503 with ``Retry-After`` when the store stayed locked (SQLite's busy timeout) or unreachable;
+                whatever ``fn`` raises otherwise.
+        """
+        import asyncio
+        import sqlite3
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            raise retry_later(503, "the job store is locked by another process", "store_busy") from None
+        except JobStoreUnavailable:
+            raise retry_later(503, "the job store cannot be reached", "store_unavailable") from None
 
     def clip_path(self, job: Job) -> Path:
         return self.clips_dir / f"{job.id}.mp4"
@@ -235,7 +271,7 @@ class VideoService:
     def remove_files(self, job: Job) -> None:
         """Delete a job's clip and uploaded image (a finished job being deleted)."""
         self.clip_path(job).unlink(missing_ok=True)
-        image = VideoRequest.from_dict(job.request).image
+        image = job.request.get("image")  # not from_dict: an unreadable row is deleted too
         if image:
             (self.uploads_dir / image).unlink(missing_ok=True)
 
@@ -247,6 +283,7 @@ class VideoService:
             return
         self._closed = True
         self.pool.close(timeout_s)
+        self.executor.shutdown(wait=True, cancel_futures=True)
         self.store.close()
         if self._lock is not None:
             self._lock.close()

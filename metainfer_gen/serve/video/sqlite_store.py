@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 from metainfer_gen.serve.video.jobs import (DEFAULT_LEASE_S, DEFAULT_MAX_ATTEMPTS, SCHEMA_VERSION, JobStore,
-                                            check_schema_version)
+                                            JobStoreCorrupt, check_schema_version)
 
 STORE_NAME = "jobs.sqlite3"
 POLL_S = 0.05  # an idle worker looks for a job this often
-_BUSY_TIMEOUT_S = 30.0
+BUSY_TIMEOUT_S = 30.0  # how long a statement waits for another process's write lock before it fails
 
 _TABLES = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -53,25 +53,37 @@ class SQLiteJobStore(JobStore):
         path: the SQLite file (created with its tables when missing; its folder must exist). A file made before
             leases existed (schema 1) is upgraded in place.
         lease_s / max_attempts: see :class:`~.jobs.JobStore`.
+        busy_timeout_s: how long a statement waits for another process's write lock, seconds; then it raises
+            ``sqlite3.OperationalError`` (database is locked), which the routes answer with a 503.
     Raises:
-        SchemaTooNew: the file was made by a newer metainfer-gen.
+        SchemaTooNew: the file was made by a newer metainfer-gen. JobStoreCorrupt: the file is not a readable
+            SQLite database (the message names it and the way out).
     """
 
     NOW = "((julianday('now') - 2440587.5) * 86400.0)"
     NEXT_SEQ = "(SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs)"
 
     def __init__(self, path: str | Path, lease_s: float = DEFAULT_LEASE_S,
-                 max_attempts: int = DEFAULT_MAX_ATTEMPTS):
+                 max_attempts: int = DEFAULT_MAX_ATTEMPTS, busy_timeout_s: float = BUSY_TIMEOUT_S):
         super().__init__(lease_s, max_attempts)
         self.path = Path(path)
         self._lock = threading.RLock()  # one connection serves the server's threads: one transaction at a time
-        self._db = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None,
+        self._db = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None,
                                    check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        # NORMAL under WAL: a commit survives any process crash (kill -9); only a power cut may lose the last few.
-        # FULL would fsync on every progress update of every denoising step.
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._migrate()
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            # NORMAL under WAL: a commit survives any process crash (kill -9); only a power cut may lose the last
+            # few. FULL would fsync on every progress update of every denoising step.
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._migrate()
+        except sqlite3.DatabaseError as exc:
+            self._db.close()
+            if isinstance(exc, sqlite3.OperationalError):  # locked, or a folder we may not write: not corruption
+                raise
+            raise JobStoreCorrupt(
+                f"the job store {self.path} cannot be read ({exc}): stop every server and worker using it, then "
+                f"move it aside (mv {self.path} {self.path}.corrupt) to start with an empty queue (finished clips "
+                "stay in the clips folder), or put back a backup of it") from None
 
     def _migrate(self) -> None:
         with self._lock:

@@ -166,9 +166,13 @@ class VideoWorker:
         except (WorkerStopping, LeaseLost):
             pass  # the job is someone else's now, or the next start's: nothing more is written
         except Exception as exc:  # noqa: BLE001 - a failing job is recorded; the worker takes the next one
-            self.store.fail(job, f"{type(exc).__name__}: {exc}")
+            self.store.fail(job, job_error(exc))
         else:
-            self._publish(job, staged, time.perf_counter() - started)
+            try:
+                self._publish(job, staged, time.perf_counter() - started)
+            except OSError as exc:  # the clip could not be put in place (the folder removed, the disk full)
+                staged.unlink(missing_ok=True)
+                self.store.fail(job, job_error(exc))
         finally:
             beat.stop()
         return True
@@ -238,6 +242,20 @@ class VideoWorker:
             if self.i2v is not None:
                 self.i2v.step_cache = self.t2v.step_cache  # same transformer: the hooks are shared
             self._cache = spec
+
+
+def job_error(exc: BaseException) -> str:
+    """What a failed job records (clients read it): the reason, never a path of this machine. A clip that could not
+    be written (OSError: disk full, folder gone or read-only) and running out of memory (MemoryError, torch's
+    OutOfMemoryError) are named as such."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        import gc
+
+        gc.collect()  # the failed render's tensors: the next job must not start out of memory too
+        return f"out of memory rendering this clip ({type(exc).__name__}): ask for fewer frames, a smaller size"
+    if isinstance(exc, OSError):
+        return f"the clip could not be written: {exc.strerror or type(exc).__name__}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 class _Heartbeat:

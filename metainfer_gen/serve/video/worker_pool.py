@@ -5,21 +5,30 @@
     pool.num_ready        # workers that loaded the model
     pool.close()          # stop them (a job left running is re-run after its lease expires, or at the next start)
 
-A worker that dies is restarted (at most :data:`MAX_RESTARTS` times); the job it was running is recorded as
-failed, found by the worker's fleet-wide ``owner`` name so that no other machine's job is touched.
+A worker that dies is restarted, at most :data:`MAX_RESTARTS` times in any :data:`RESTART_WINDOW_S` seconds (a
+worker that keeps dying waits until the window has moved on: the budget recovers over time; ``/health`` says when
+none runs); the job it was running goes back to the queue until it has had the store's ``max_attempts`` claims, then
+fails (a job that kills its worker is not retried forever). It is found by the worker's fleet-wide ``owner`` name,
+so no other machine's job is touched. The supervisor thread outlives errors of the store: it logs them and retries
+at its next check.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
 import os
 import socket
 import threading
+import time
 from typing import Callable
 
 from metainfer_gen.serve.video.worker import WorkerSpec, ready_key, worker_main
 
-MAX_RESTARTS = 3  # per worker: a worker that keeps dying is left dead (/health then says so)
+MAX_RESTARTS = 3  # per worker within RESTART_WINDOW_S
+RESTART_WINDOW_S = 300.0
 _SUPERVISE_S = 0.5
+log = logging.getLogger(__name__)
 
 
 def node_name() -> str:
@@ -37,12 +46,18 @@ class WorkerPool:
     Args:
         make_spec: the :class:`~.worker.WorkerSpec` of worker ``i``.
         num_workers: how many (0: none; the pool is then empty and idle).
-        store: this process's job store (to fail a dead worker's job and forget its readiness).
+        store: this process's job store (to requeue or fail a dead worker's job and forget its readiness).
+        max_restarts / restart_window_s: restarts a worker may have in any ``restart_window_s`` seconds.
+        target: the process entry point, called with ``(spec, stop_event)`` (default :func:`~.worker.worker_main`).
     """
 
-    def __init__(self, make_spec: Callable[[int], WorkerSpec], num_workers: int, store):
+    def __init__(self, make_spec: Callable[[int], WorkerSpec], num_workers: int, store, *,
+                 max_restarts: int = MAX_RESTARTS, restart_window_s: float = RESTART_WINDOW_S,
+                 target: Callable = worker_main):
         self.make_spec, self.num_workers, self.store = make_spec, num_workers, store
-        self._restarts = [0] * num_workers
+        self.max_restarts, self.restart_window_s, self.target = max_restarts, restart_window_s, target
+        self._restarts = [collections.deque() for _ in range(num_workers)]  # monotonic times of recent restarts
+        self._handled = [False] * num_workers  # the current process's death has been recorded in the store
         self._processes: list = []
         self._closing = threading.Event()
         self._supervisor: threading.Thread | None = None
@@ -61,22 +76,40 @@ class WorkerPool:
 
     def _spawn(self, index: int):
         spec = self.make_spec(index)
-        process = self._context.Process(target=worker_main, args=(spec, self._stop), name=f"video-worker-{index}",
+        process = self._context.Process(target=self.target, args=(spec, self._stop), name=f"video-worker-{index}",
                                         daemon=True)
         process.start()
         return process
 
     def _supervise(self) -> None:
         while not self._closing.wait(_SUPERVISE_S):
-            for index, process in enumerate(self._processes):
-                if process.is_alive() or process.exitcode is None or self._closing.is_set():
-                    continue
+            try:
+                self._check_workers()
+            except Exception:  # noqa: BLE001 - a store error must not end supervision: retry at the next check
+                log.exception("the video worker supervisor's check failed; retrying in %s s", _SUPERVISE_S)
+
+    def _check_workers(self) -> None:
+        for index, process in enumerate(self._processes):
+            if process.is_alive() or process.exitcode is None or self._closing.is_set():
+                continue
+            if not self._handled[index]:  # once per death, until the store has taken it
                 owner = self.make_spec(index).owner
-                self.store.fail_running_of(owner, f"the worker process exited with code {process.exitcode}")
+                self.store.requeue_running_of(owner, f"the worker process died running it (last exit code "
+                                                     f"{process.exitcode})")
                 self.store.delete_meta(ready_key(owner))  # not ready until the replacement has loaded the model
-                if self._restarts[index] < MAX_RESTARTS:
-                    self._restarts[index] += 1
-                    self._processes[index] = self._spawn(index)
+                self._handled[index] = True
+            recent, now = self._restarts[index], time.monotonic()
+            while recent and now - recent[0] > self.restart_window_s:
+                recent.popleft()
+            if len(recent) < self.max_restarts:
+                recent.append(now)
+                self._processes[index] = self._spawn(index)
+                self._handled[index] = False
+
+    @property
+    def supervising(self) -> bool:
+        """The supervisor thread runs (False before :meth:`start` and after :meth:`close`)."""
+        return self._supervisor is not None and self._supervisor.is_alive()
 
     def process(self, index: int):
         """Worker ``index``'s current process (a replacement once the supervisor restarted it)."""
