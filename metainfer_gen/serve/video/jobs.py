@@ -184,8 +184,9 @@ class JobStore:
         return self.get(job_id)
 
     def delete(self, job_id: str) -> bool:
-        """Remove a finished job's row (its clip is the caller's to remove). False when it is not finished."""
-        rows = self._write("DELETE FROM jobs WHERE id = ? AND status IN ('completed', 'failed', 'cancelled') "
+        """Remove a finished job's row, or one whose status this code cannot read (its clip is the caller's to
+        remove). False when it is queued or running."""
+        rows = self._write("DELETE FROM jobs WHERE id = ? AND status NOT IN ('queued', 'in_progress') "
                            "RETURNING id", (job_id,))
         return bool(rows)
 
