@@ -177,3 +177,47 @@ def test_the_restart_budget_recovers_over_time(tmp_path):
     assert len(seen) == 4, f"{len(seen)} processes: the budget did not recover"
     first, second, third, fourth = sorted(seen.values())
     assert fourth - second >= window_s - 1.0  # two restarts spent the budget: the third waited for the window
+
+
+class OutOfMemoryOnce:
+    """A pipeline whose first call raises ``error`` (as a render past the memory would); the others render."""
+
+    def __init__(self, pipe, error: BaseException):
+        self.pipe, self.error = pipe, error
+
+    def __getattr__(self, name):
+        return getattr(self.pipe, name)
+
+    def __call__(self, *args, **kwargs):
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+        return self.pipe(*args, **kwargs)
+
+
+@pytest.mark.parametrize("error", [MemoryError(), "torch"])
+def test_running_out_of_memory_fails_that_job_with_the_error(tiny_wan_dir, tmp_path, error):
+    import torch
+
+    from metainfer_gen.serve.video.request import VideoRequest
+    from metainfer_gen.serve.video.sqlite_store import SQLiteJobStore
+    from metainfer_gen.serve.video.worker import VideoWorker, WorkerSpec
+
+    raised = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB") if error == "torch" else error
+    (tmp_path / "uploads").mkdir()
+    spec = WorkerSpec(0, str(tmp_path / "jobs.sqlite3"), str(tmp_path), str(tmp_path / "uploads"), "test/0",
+                      str(tiny_wan_dir), "cpu", num_threads=1)
+    worker = VideoWorker(spec)
+    store = SQLiteJobStore(tmp_path / "jobs.sqlite3")
+    try:
+        for name in ("video_oom", "video_after"):
+            store.add(name, VideoRequest(name, None, 5, 32, 32, 2, 1.0, 0, 8.0).to_dict())
+        worker.t2v = OutOfMemoryOnce(worker.t2v, raised)
+        assert worker.run_one() and worker.run_one()
+        failed, after = store.get("video_oom"), store.get("video_after")
+    finally:
+        store.close()
+        worker.store.close()
+    assert failed.status.value == "failed" and failed.error.startswith("out of memory rendering this clip (")
+    assert type(raised).__name__ in failed.error
+    assert after.status.value == "completed" and (tmp_path / "video_after.mp4").is_file()  # the worker went on
