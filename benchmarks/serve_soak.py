@@ -35,7 +35,7 @@ from table import print_table, run_footer, run_header  # noqa: E402
 
 BAD_BODIES = ({"temperature": "hot"}, {"max_tokens": -1}, {"prompt": [5, 10**9]}, {"model": "no-such-model"},
               {"top_p": 2.0})
-VIDEO = {"size": "32x32", "num_frames": 5, "num_inference_steps": 2, "guidance_scale": 1.0, "fps": 4}
+VIDEO = {"size": "32x32", "num_frames": 5, "guidance_scale": 1.0, "fps": 4}
 
 
 def proc_usage(pid: int) -> tuple[float, int]:
@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llm-requests", type=int, default=2000, help="LLM requests in all (default 2000)")
     p.add_argument("--video-jobs", type=int, default=200, help="video jobs in all (default 200)")
     p.add_argument("--concurrency", type=int, default=8, help="LLM clients at once (default 8)")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens per LLM request (default 32)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per LLM request (default 128)")
+    p.add_argument("--video-steps", type=int, default=8, help="denoising steps per video job (default 8)")
     p.add_argument("--disconnect-share", type=float, default=0.1, help="share of LLM requests dropped mid-stream")
     p.add_argument("--bad-every", type=int, default=20, help="every Nth LLM request is a bad input (0: none)")
     p.add_argument("--cancel-every", type=int, default=5, help="every Nth video job is cancelled (0: none)")
@@ -240,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="bound of the load once the server answers, seconds (start-up: 300 s more; default 1200)")
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads of the server and worker (default 1)")
     args = p.parse_args(argv)
+    VIDEO["num_inference_steps"] = args.video_steps
     print(run_header())
     print(f"load: {args.llm_requests} LLM requests ({args.concurrency} clients, {args.max_tokens} tokens, "
           f"{args.disconnect_share:.0%} dropped mid-stream, every {args.bad_every}th bad), {args.video_jobs} video "

@@ -9,6 +9,7 @@
 
 # No ``from __future__ import annotations``: FastAPI reads the ``Request`` annotations at definition time.
 import asyncio
+import contextlib
 
 from metainfer_gen.serve.errors import APIError, bad_request, redact_paths
 from metainfer_gen.serve.http_io import check_api_key, read_body, read_json, refuse_query
@@ -103,7 +104,8 @@ def add_video_routes(app, service, api_key: str | None, max_body_bytes: int,
                 await asyncio.sleep(SYNC_POLL_S)
                 job = await find(job.id)
         except asyncio.CancelledError:
-            service.executor.submit(service.store.cancel, job.id)  # not awaited: this task is being cancelled
+            with contextlib.suppress(RuntimeError):  # RuntimeError: the server is shutting down (the threads too)
+                service.executor.submit(service.store.cancel, job.id)  # not awaited: this task is being cancelled
             raise
         if job.status is not JobStatus.COMPLETED:
             raise APIError(500 if job.status is JobStatus.FAILED else 409,
