@@ -195,29 +195,54 @@ class OutOfMemoryOnce:
         return self.pipe(*args, **kwargs)
 
 
-@pytest.mark.parametrize("error", [MemoryError(), "torch"])
-def test_running_out_of_memory_fails_that_job_with_the_error(tiny_wan_dir, tmp_path, error):
-    import torch
-
+@pytest.fixture
+def in_process(tiny_wan_dir, tmp_path):
+    """A :class:`VideoWorker` in this process over its own store in ``tmp_path`` (clips there too), with two jobs
+    queued: ``video_first`` then ``video_after``; yields (worker, store)."""
     from metainfer_gen.serve.video.request import VideoRequest
     from metainfer_gen.serve.video.sqlite_store import SQLiteJobStore
     from metainfer_gen.serve.video.worker import VideoWorker, WorkerSpec
 
-    raised = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB") if error == "torch" else error
     (tmp_path / "uploads").mkdir()
     spec = WorkerSpec(0, str(tmp_path / "jobs.sqlite3"), str(tmp_path), str(tmp_path / "uploads"), "test/0",
                       str(tiny_wan_dir), "cpu", num_threads=1)
     worker = VideoWorker(spec)
     store = SQLiteJobStore(tmp_path / "jobs.sqlite3")
-    try:
-        for name in ("video_oom", "video_after"):
-            store.add(name, VideoRequest(name, None, 5, 32, 32, 2, 1.0, 0, 8.0).to_dict())
-        worker.t2v = OutOfMemoryOnce(worker.t2v, raised)
-        assert worker.run_one() and worker.run_one()
-        failed, after = store.get("video_oom"), store.get("video_after")
-    finally:
-        store.close()
-        worker.store.close()
+    for name in ("video_first", "video_after"):
+        store.add(name, VideoRequest(name, None, 5, 32, 32, 2, 1.0, 0, 8.0).to_dict())
+    yield worker, store
+    store.close()
+    worker.store.close()
+
+
+@pytest.mark.parametrize("error", [MemoryError(), "torch"])
+def test_running_out_of_memory_fails_that_job_with_the_error(in_process, tmp_path, error):
+    import torch
+
+    worker, store = in_process
+    raised = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB") if error == "torch" else error
+    worker.t2v = OutOfMemoryOnce(worker.t2v, raised)
+    assert worker.run_one() and worker.run_one()
+    failed, after = store.get("video_first"), store.get("video_after")
     assert failed.status.value == "failed" and failed.error.startswith("out of memory rendering this clip (")
     assert type(raised).__name__ in failed.error
     assert after.status.value == "completed" and (tmp_path / "video_after.mp4").is_file()  # the worker went on
+
+
+def test_a_clip_removed_under_the_worker_fails_its_job_and_the_worker_goes_on(in_process, tmp_path):
+    worker, store = in_process
+    render = worker.render
+
+    def removed_before_publishing(job, beat=None):
+        staged = render(job, beat)
+        if job.id == "video_first":
+            staged.unlink()  # what a clean-up script or a full-disk handler does under the server
+        return staged
+
+    worker.render = removed_before_publishing
+    assert worker.run_one() and worker.run_one()
+    failed, after = store.get("video_first"), store.get("video_after")
+    assert failed.status.value == "failed" and failed.error == ("the clip could not be written: No such file or "
+                                                                "directory")
+    assert not (tmp_path / "video_first.mp4").exists()
+    assert after.status.value == "completed" and (tmp_path / "video_after.mp4").is_file()
