@@ -1,6 +1,6 @@
 """The job store failing under a live server (LLM and ``/v1/videos`` on one free loopback port, API-only: no
 worker renders, so the queue holds still): a store locked by another process holds up the video calls only,
-never ``/health`` or an LLM request; rows the code cannot read never break ``GET /v1/videos``; a full queue
+never ``/health`` or an LLM request, and past the busy timeout a write is a 503 that wrote nothing; rows the code cannot read never break ``GET /v1/videos``; a full queue
 (``--max-queued-videos``) answers 429 with ``Retry-After``; a job that took its server down ``max_attempts`` times
 fails at the next start instead of looping; a corrupt store file stops start-up, naming the file and the way out."""
 
@@ -90,6 +90,28 @@ def test_a_store_locked_by_another_process_holds_up_no_one_else(api):
         holder.kill()
         holder.wait(10)
         cancel_all_queued(http)
+
+
+def test_a_write_that_waits_past_the_busy_timeout_is_a_503_that_loses_nothing(tiny_wan_dir, tmp_path):
+    server = start_api_only(tmp_path, tiny_wan_dir, llm=False, store_busy_timeout_s=0.5)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path / "jobs.sqlite3"), "3"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        with httpx.Client(base_url=server.base_url.removesuffix("/v1"), timeout=30) as http:
+            assert holder.stdout.readline().strip() == "locked"
+            busy = submit(http, "behind a long lock")
+            assert busy.status_code == 503 and busy.headers["Retry-After"] == "1", busy.text
+            error = busy.json()["error"]
+            assert (error["type"], error["code"]) == ("service_unavailable", "store_busy")
+            assert "locked by another process" in error["message"]
+            assert http.get("/health").status_code == 200
+            holder.wait(30)
+            assert http.get("/v1/videos").json()["data"] == []  # the refused job was not written
+            assert submit(http, "once the lock is gone").status_code == 200
+    finally:
+        holder.kill()
+        holder.wait(10)
+        server.close()
 
 
 def test_rows_the_code_cannot_read_never_break_the_list(api):

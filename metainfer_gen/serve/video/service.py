@@ -50,6 +50,8 @@ class VideoServeConfig:
         clips_dir: where clips and uploads live (default ``data_dir/clips`` and ``data_dir/uploads``); with a
             shared store, a folder every machine mounts (required then).
         lease_s / max_attempts: a claim's lease (seconds) and the claims a job may take.
+        store_busy_timeout_s: how long the server's store calls wait for another process's SQLite write lock
+            before the route answers 503 with ``Retry-After``, seconds (None: the store's 30 s).
         num_threads: CPU threads per worker; None: the usable cores divided by ``num_workers`` (at least 1).
         device / dtype: the workers' (None: CUDA GPU ``i`` for worker ``i`` when available, else the CPU).
         served_model_name: the ``model`` name of the video API (default the folder's name).
@@ -79,6 +81,7 @@ class VideoServeConfig:
     lease_s: float = DEFAULT_LEASE_S
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     preset: str | None = None
+    store_busy_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_workers < 0 or (self.num_threads is not None and self.num_threads < 1):
@@ -88,6 +91,8 @@ class VideoServeConfig:
             raise ValueError("a shared job store needs a clips folder every machine mounts: give --clips-dir")
         if self.limits is None:
             raise ValueError("limits are required (e.g. metainfer_gen.apps.demo_limits.DemoLimits())")
+        if self.store_busy_timeout_s is not None and not self.store_busy_timeout_s > 0:
+            raise ValueError(f"store_busy_timeout_s must be None or > 0; got {self.store_busy_timeout_s}")
         if self.max_upload_bytes < 1:
             raise ValueError(f"max_upload_bytes must be >= 1; got {self.max_upload_bytes}")
 
@@ -142,7 +147,8 @@ class VideoService:
         self.shared = store_scheme(self.store_address) != "sqlite"
         # one server per local store: taken before the re-queue below touches another server's jobs
         self._lock = None if self.shared else lock_data_dir(self.data_dir)
-        self.store = open_job_store(self.store_address, config.lease_s, config.max_attempts)
+        self.store = open_job_store(self.store_address, config.lease_s, config.max_attempts,
+                                    config.store_busy_timeout_s)
         self.node = node_name()
         self.num_requeued = 0
         if not self.shared:

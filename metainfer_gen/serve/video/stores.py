@@ -27,8 +27,10 @@ def store_scheme(spec: str | Path) -> str:
 
 
 def open_job_store(spec: str | Path, lease_s: float = DEFAULT_LEASE_S,
-                   max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> JobStore:
+                   max_attempts: int = DEFAULT_MAX_ATTEMPTS, busy_timeout_s: float | None = None) -> JobStore:
     """The store at ``spec`` (see :func:`store_scheme`); SQLite files are created when missing.
+    ``busy_timeout_s``: how long a SQLite statement waits for another process's write lock (None: the backend's
+    default, 30 s; PostgreSQL waits for its row locks).
 
     Raises:
         ValueError: an unknown scheme. JobStoreUnavailable: PostgreSQL unreachable. SchemaTooNew: see the backends.
@@ -46,5 +48,6 @@ def open_job_store(spec: str | Path, lease_s: float = DEFAULT_LEASE_S,
     from metainfer_gen.serve.video.sqlite_store import SQLiteJobStore
 
     text = str(spec)
+    options = {} if busy_timeout_s is None else {"busy_timeout_s": busy_timeout_s}
     return SQLiteJobStore(text.removeprefix("sqlite://") if text.startswith("sqlite://") else text, lease_s,
-                          max_attempts)
+                          max_attempts, **options)
