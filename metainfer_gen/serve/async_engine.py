@@ -53,8 +53,7 @@ class AsyncLLMEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._requests: dict[str, OpenRequest] = {}
-        # Events of one engine step, per event loop, handed over in one call: a call_soon_threadsafe per event
-        # wakes the loop (a self-pipe write) once per request per step.
+        # a step's events per event loop, handed over in one call (one self-pipe wake-up, not one per request)
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}
         self._closing = False
         self.num_steps = 0
@@ -192,8 +191,7 @@ class AsyncLLMEngine:
                 except Exception as exc:  # one request's detokenizing or sending failed: that request ends
                     log.exception("delivering request %s failed", output.request_id)
                     if output.request_id in self._requests:
-                        self._abort(output.request_id, "error",
-                                    f"delivering the output failed ({type(exc).__name__})")
+                        self._abort(output.request_id, "error", f"delivering the output failed ({type(exc).__name__})")
             self._flush()
 
     def _apply_commands(self) -> bool:
