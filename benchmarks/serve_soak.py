@@ -175,8 +175,13 @@ class Watch:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def sample(self, phase: str) -> tuple[float, int]:
+    def sample(self, phase: str, settled: bool = False) -> tuple[float, int]:
+        """One row; ``settled`` (an idle server): the fewest fds of 5 reads 0.2 s apart, so a client socket the
+        server is still closing is not counted as held."""
         rss, fds = proc_usage(self.pid)
+        for _ in range(4 if settled else 0):
+            time.sleep(0.2)
+            fds = min(fds, proc_usage(self.pid)[1])
         t = self.tally
         self.rows.append([f"{time.monotonic() - self.start:.0f}", phase, f"{rss:.1f}", str(fds), str(t.llm_done),
                           str(t.videos_done), f"{self.health_max_s * 1000:.0f}"])
@@ -219,8 +224,8 @@ def wait_idle(base: str, timeout_s: float = 60) -> str:
         text = httpx.get(f"{base}/metrics", timeout=10).text
         idle = metric(text, "vllm:num_requests_running") == 0 and metric(text, "vllm:num_requests_waiting") == 0
         if (idle and metric(text, "metainfer:video_jobs_running") == 0) or time.monotonic() > deadline:
-            time.sleep(2)  # let freed buffers and closed sockets settle before /proc is read
-            return httpx.get(f"{base}/metrics", timeout=10).text
+            time.sleep(2)  # let freed buffers and closed sockets (this call's too) settle before /proc is read
+            return text
         time.sleep(0.5)
 
 
@@ -266,13 +271,13 @@ def main(argv: list[str] | None = None) -> int:
 
             asyncio.run(phase(range(n_llm), range(n_vid)))
             wait_idle(base)
-            base_rss, base_fds = watch.sample("after warm-up")
+            base_rss, base_fds = watch.sample("after warm-up", settled=True)
             base_files = open_files(srv.process.pid)
             watch.phase = "load"
             asyncio.run(phase(range(n_llm, args.llm_requests), range(n_vid, args.video_jobs)))
             watch.phase = ""
             text = wait_idle(base)
-            end_rss, end_fds = watch.sample("end (idle)")
+            end_rss, end_fds = watch.sample("end (idle)", settled=True)
             end_files = open_files(srv.process.pid)
             watch.stop()
     print_table(["t (s)", "phase", "server RSS (MiB)", "open fds", "LLM requests done", "video jobs done",
