@@ -21,44 +21,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_procs import ServerProcess, free_port, thread_env  # noqa: E402
+from serve_soak_watch import Watch, diff, open_files  # noqa: E402
 from table import print_table, run_footer, run_header  # noqa: E402
 
 BAD_BODIES = ({"temperature": "hot"}, {"max_tokens": -1}, {"prompt": [5, 10**9]}, {"model": "no-such-model"},
               {"top_p": 2.0})
 VIDEO = {"size": "32x32", "num_frames": 5, "guidance_scale": 1.0, "fps": 4}
-
-
-def proc_usage(pid: int) -> tuple[float, int]:
-    """(RSS in MiB, open file descriptors) of process ``pid``, from ``/proc``."""
-    rss_kib = int(re.search(r"^VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text(), re.M).group(1))
-    return rss_kib / 1024, len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def open_files(pid: int) -> list[str]:
-    """What the open fds of ``pid`` point at (``socket:[inode]`` for sockets), sorted."""
-    found = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            found.append(re.sub(r"\[\d+\]$", "", os.readlink(f"/proc/{pid}/fd/{fd}")))
-        except OSError:
-            pass
-    return sorted(found)
-
-
-def diff(a: list[str], b: list[str]) -> list[str]:
-    """The entries of ``a`` not in ``b``, counted (a multiset difference)."""
-    left = list(b)
-    return [x for x in a if not (x in left and not left.remove(x))]
 
 
 def metric(text: str, name: str) -> float:
@@ -161,58 +137,6 @@ async def video_load(base: str, indices: range, args, tally: Tally, deadline: fl
                         tally.videos_wrong.append(f"{video_id}: {status} (cancelled: {cancelled})")
             await asyncio.sleep(0.2)
         tally.videos_wrong.extend(f"{v}: unfinished at the time limit" for v in open_jobs)
-
-
-class Watch:
-    """A thread timing ``/health`` every 0.5 s and sampling the server's RSS and fds every ``sample_s``."""
-
-    def __init__(self, base: str, pid: int, sample_s: float, tally: Tally):
-        self.base, self.pid, self.sample_s, self.tally = base, pid, sample_s, tally
-        self.health_max_s, self.health_bad = 0.0, []
-        self.rows: list[list[str]] = []
-        self.start = time.monotonic()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def sample(self, phase: str, settled: bool = False) -> tuple[float, int]:
-        """One row; ``settled`` (an idle server): the fewest fds of 5 reads 0.2 s apart, so a client socket the
-        server is still closing is not counted as held."""
-        rss, fds = proc_usage(self.pid)
-        for _ in range(4 if settled else 0):
-            time.sleep(0.2)
-            fds = min(fds, proc_usage(self.pid)[1])
-        t = self.tally
-        self.rows.append([f"{time.monotonic() - self.start:.0f}", phase, f"{rss:.1f}", str(fds), str(t.llm_done),
-                          str(t.videos_done), f"{self.health_max_s * 1000:.0f}"])
-        return rss, fds
-
-    def _run(self) -> None:
-        import httpx
-
-        next_sample = time.monotonic() + self.sample_s
-        with httpx.Client(base_url=self.base, timeout=10) as client:
-            while not self._stop.wait(0.5):
-                started = time.monotonic()
-                try:
-                    status = client.get("/health").status_code
-                except httpx.HTTPError as exc:
-                    status = type(exc).__name__
-                took = time.monotonic() - started
-                self.health_max_s = max(self.health_max_s, took)
-                if status != 200:
-                    self.health_bad.append(f"{status} after {took:.2f} s")
-                if not self.phase:
-                    next_sample = time.monotonic() + self.sample_s
-                elif time.monotonic() >= next_sample:
-                    self.sample(self.phase)
-                    next_sample += self.sample_s
-
-    phase = ""
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(15)
 
 
 def wait_idle(base: str, timeout_s: float = 60) -> str:
