@@ -21,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 
 from metainfer_gen.llm.config import EngineConfig
+from metainfer_gen.pipelines.call_lock import call_lock
 
 DEFAULT_LLM_DIR = "demo_llm"
 TRAINED_CONTEXT_KEY = "trained_context"  # in the model folder's metainfer_gen.json, tokens
@@ -134,7 +135,8 @@ class TextGenerationPipeline:
         if self.trained_context is not None:
             batch = [self.engine.encode(p) for p in batch]  # token ids run exactly as the text would
             self._warn_past_trained_context(batch, max_new_tokens)
-        outputs = self.engine.generate(batch, params)
+        with call_lock(self.engine):  # one call at a time per engine, whichever thread calls
+            outputs = self.engine.generate(batch, params)
         return outputs[0] if single else outputs
 
     def _warn_past_trained_context(self, batch: list[list[int]], max_new_tokens: int) -> None:

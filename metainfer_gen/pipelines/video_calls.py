@@ -8,6 +8,7 @@ import secrets
 from contextlib import nullcontext
 from typing import Any
 
+from metainfer_gen.pipelines.call_lock import call_lock
 from metainfer_gen.video.output import FramesOutput, VideoOutput, measure, to_uint8_frames
 
 # diffusers' output types; None (the default) is ours: uint8 frames and save()
@@ -70,14 +71,17 @@ class VideoCallMixin:
         """Render every video of the call: ``list[VideoOutput]`` (prompt-major, as diffusers orders them) for
         ``output_type=None``, else a :class:`FramesOutput` in diffusers' layout."""
         check_call_options(num_videos_per_prompt, output_type, seed, generator)
-        if num_videos_per_prompt == 1:
-            calls = [self._call(dict(call_kwargs), dict(settings), seed, generator, output_type)]
-        else:
-            generators = generator if isinstance(generator, list) else [None] * num_videos_per_prompt
-            seeds = [None] * num_videos_per_prompt if isinstance(generator, list) else \
-                video_seeds(seed, generator, num_videos_per_prompt)
-            calls = [self._call(dict(call_kwargs), dict(settings), s, g, output_type)
-                     for s, g in zip(seeds, generators)]
+        # one call at a time per model, whichever thread calls: keyed by the transformer, which ``from_pipe``
+        # shares with its scheduler and step-cache hooks
+        with call_lock(getattr(self.diffusers_pipeline, "transformer", None) or self.diffusers_pipeline):
+            if num_videos_per_prompt == 1:
+                calls = [self._call(dict(call_kwargs), dict(settings), seed, generator, output_type)]
+            else:
+                generators = generator if isinstance(generator, list) else [None] * num_videos_per_prompt
+                seeds = [None] * num_videos_per_prompt if isinstance(generator, list) else \
+                    video_seeds(seed, generator, num_videos_per_prompt)
+                calls = [self._call(dict(call_kwargs), dict(settings), s, g, output_type)
+                         for s, g in zip(seeds, generators)]
         num_prompts = len(call_kwargs["prompt"]) if isinstance(call_kwargs.get("prompt"), list) else 1
         order = [(call, row) for row in range(num_prompts) for call in calls]  # prompt-major
         if output_type is None:
