@@ -41,8 +41,9 @@ def test_whole_and_chunked_prefill_emit_transformers_entries(v4, layer, overlap)
         state, parts = CompressorState(), []
         for lo, hi in ((0, 3), (3, 10), (10, 11), (11, 30), (30, LENGTH)):  # ends inside windows
             parts.append(ours(x[0, lo:hi], state, cos, sin))
-    torch.testing.assert_close(whole, expected, atol=1e-6, rtol=0)
-    torch.testing.assert_close(torch.cat(parts), expected, atol=1e-6, rtol=0)
+    # float32 rounding: 1.2e-6 apart at one of 160 entries on an AMD EPYC (its GEMMs sum in another order)
+    torch.testing.assert_close(whole, expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(torch.cat(parts), expected, atol=1e-6, rtol=1e-6)
     assert state.num_entries == expected.shape[0] and state.kv.shape[0] == LENGTH % hf.compress_rate
     assert [p.shape[0] for p in parts][:2] == [0, 10 // hf.compress_rate]
 
