@@ -25,6 +25,7 @@ are all -inf, is an error of that row alone (:class:`Sampled`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -92,14 +93,29 @@ def _draw_blocks(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return token[:, 0]
 
 
-def _mass_above(probs: torch.Tensor, pivot: torch.Tensor) -> torch.Tensor:
+def _buffer(scratch: list, slot: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A ``shape`` view of the reusable buffer ``scratch[slot]`` (grown when too small): a fresh (R, V) tensor per
+    step costs more than the pass that fills it (new pages, faulted in by the kernel)."""
+    while len(scratch) <= slot:
+        scratch.append(None)
+    numel = math.prod(shape)
+    if scratch[slot] is None or scratch[slot].dtype != dtype or scratch[slot].numel() < numel:
+        scratch[slot] = torch.empty(numel, dtype=dtype)
+    return scratch[slot][:numel].view(shape)
+
+
+def _mass_above(probs: torch.Tensor, pivot: torch.Tensor, scratch: list) -> torch.Tensor:
     """(n,) float64: per row, the sum of the probabilities strictly above ``pivot`` (n, 1). Only the blocks whose
-    maximum exceeds the pivot are summed when they are few (a peaked distribution), else every token is."""
+    maximum exceeds the pivot are summed when they are few (a peaked distribution), else every token is, in float
+    passes over a reused buffer (``scratch`` slot 1): ``p * sign(max(p - pivot, 0))`` is exactly ``p`` above the
+    pivot and 0 elsewhere (IEEE subtraction of two different floats is never 0), and 3-4x a bool mask (a CPU
+    comparison into bool ran at a quarter of a float pass) on flat logits."""
     n = probs.shape[0]
     blocks = probs.view(n, -1, BLOCK)
     hot = blocks.amax(-1) > pivot
     if int(hot.sum()) * 8 > hot.numel():  # a flat distribution: gathering the blocks would cost more
-        return (probs * (probs > pivot)).sum(-1).double()  # 3x ``torch.where(..., 0.0)``, same sums
+        kept = torch.sub(probs, pivot, out=_buffer(scratch, 1, tuple(probs.shape), probs.dtype))
+        return kept.clamp_(min=0).sign_().mul_(probs).sum(-1).double()
     rows, cols = hot.nonzero(as_tuple=True)
     values = blocks[rows, cols]
     part = (values * (values > pivot[rows])).sum(-1).double()
@@ -112,9 +128,7 @@ def _full_probs(logits: torch.Tensor, inv_t: torch.Tensor, threshold: torch.Tens
     the padding at probability 0, written into ``scratch[0]`` (a flat float32 buffer, replaced when too small)."""
     n, vocab = logits.shape
     padded = -(-vocab // BLOCK) * BLOCK
-    if scratch[0] is None or scratch[0].numel() < n * padded:
-        scratch[0] = torch.empty(n * padded, dtype=torch.float32)
-    scaled = scratch[0][:n * padded].view(n, padded)
+    scaled = _buffer(scratch, 0, (n, padded), torch.float32)
     scaled[:, vocab:] = float("-inf")
     torch.mul(logits, inv_t, out=scaled[:, :vocab])
     if threshold is not None:
@@ -133,7 +147,8 @@ def _sample_full(logits, inv_t, threshold, top_p: list[float], generators, scrat
     probs = probs if len(alive) == len(top_p) else probs[alive]  # (rejected rows are copied before masking)
     for _ in range(MAX_REJECTIONS):
         pivot = probs.gather(1, tokens[alive].unsqueeze(1))
-        rejected = (_mass_above(probs, pivot) >= torch.tensor([top_p[i] for i in alive], dtype=torch.float64))
+        cut = torch.tensor([top_p[i] for i in alive], dtype=torch.float64)
+        rejected = _mass_above(probs, pivot, scratch) >= cut
         keep = rejected.nonzero()[:, 0]
         if keep.numel() == 0:
             return tokens
