@@ -1,4 +1,4 @@
-"""Write clips to MP4 (H.264, yuv420p, faststart; PyAV, in process), GIF (:mod:`.gif`) or a folder of PNG frames, atomically.
+"""Write clips to MP4 (H.264, yuv420p, faststart; imageio), GIF (:mod:`.gif`) or a folder of PNG frames, atomically.
 
 A clip appears under its final name complete or not at all: every writer writes to a temporary sibling and
 renames it into place (``os.replace`` is atomic on one file system), so a crash mid-write never leaves a
@@ -116,7 +116,13 @@ def save_video(frames: np.ndarray, path: str | os.PathLike, fps: float = 8.0) ->
     os.close(fd)
     try:
         if suffix == ".mp4":
-            _write_mp4(frames, tmp_name, fps)
+            writer = imageio.get_writer(
+                tmp_name, format="FFMPEG", fps=fps, codec="libx264", pixelformat="yuv420p", macro_block_size=1,
+                ffmpeg_params=["-movflags", "+faststart", "-crf", "18"], ffmpeg_log_level="error",
+            )
+            with writer:
+                for frame in _pad_even(frames):
+                    writer.append_data(frame)
         else:
             write_gif(frames, tmp_name, delays)  # not imageio's: Pillow's writer merges identical frames
         check_written(tmp_name, len(frames))
@@ -127,37 +133,8 @@ def save_video(frames: np.ndarray, path: str | os.PathLike, fps: float = 8.0) ->
     return path
 
 
-def _write_mp4(frames: np.ndarray, path: str, fps: float) -> None:
-    """Encode uint8 (F, H, W, 3) frames as H.264 yuv420p, CRF 18, moov atom first, with PyAV's in-process libav
-    (no ffmpeg subprocess per clip: spawning one was 44% of a ``fastest`` clip)."""
-    import errno
-    from fractions import Fraction
-
-    import av
-
-    frames = _pad_even(frames)
-    try:
-        _encode_mp4(av, frames, path, Fraction(fps).limit_denominator(1001))
-    except av.error.OSError as exc:
-        # libav names the path in its message; this one reaches API clients, so it carries the errno only.
-        code = exc.errno or errno.EIO
-        raise ClipWriteError(code, f"the clip could not be written ({os.strerror(code)})") from exc
-
-
-def _encode_mp4(av: Any, frames: np.ndarray, path: str, rate: Any) -> None:
-    """The libx264 encode and mp4 mux of :func:`_write_mp4`."""
-    with av.open(path, mode="w", format="mp4", options={"movflags": "+faststart"}) as container:
-        stream = container.add_stream("libx264", rate=rate)
-        stream.width, stream.height = frames.shape[2], frames.shape[1]
-        stream.pix_fmt = "yuv420p"
-        stream.options = {"crf": "18"}
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())  # flush the encoder's delayed frames
-
-
 class ClipWriteError(OSError):
-    """A clip was written but does not read back whole: an encoder may report a full disk or a failed close on
+    """A clip was written but does not read back whole: ffmpeg's writer reports a full disk or a failed close on
     its log only, so a truncated MP4 would otherwise pass for a finished one."""
 
 
@@ -204,7 +181,5 @@ def read_video(path: str | os.PathLike) -> np.ndarray:
         return np.stack([imageio.imread(p)[..., :3] for p in sorted(path.glob("frame_*.png"))])
     if path.suffix.lower() == ".gif":
         return np.stack([f[..., :3] for f in imageio.mimread(path)])
-    import av
-
-    with av.open(str(path)) as container:
-        return np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
+    with imageio.get_reader(path, format="FFMPEG") as reader:
+        return np.stack([frame for frame in reader])

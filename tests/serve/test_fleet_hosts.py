@@ -122,7 +122,7 @@ def test_render_through_the_fleet_interrupted_and_rerun_renders_each_line_once(f
     from tests.serve.fleet_harness import ROOT
 
     prompts = tmp_path / "prompts.jsonl"
-    lines = [{"prompt": f"batch line {i}", "num_frames": 5, "height": 32, "width": 32, "num_inference_steps": 8,
+    lines = [{"prompt": f"batch line {i}", "num_frames": 9, "height": 32, "width": 32, "num_inference_steps": 40,
               "guidance_scale": 1.0} for i in range(8)]
     prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
     out, manifest = tmp_path / "out", tmp_path / "out" / "manifest.jsonl"
