@@ -104,22 +104,28 @@ def _buffer(scratch: list, slot: int, shape: tuple[int, ...], dtype: torch.dtype
     return scratch[slot][:numel].view(shape)
 
 
-def _mass_above(probs: torch.Tensor, pivot: torch.Tensor, scratch: list) -> torch.Tensor:
-    """(n,) float64: per row, the sum of the probabilities strictly above ``pivot`` (n, 1). Only the blocks whose
-    maximum exceeds the pivot are summed when they are few (a peaked distribution), else every token is, in float
-    passes over a reused buffer (``scratch`` slot 1): ``p * sign(max(p - pivot, 0))`` is exactly ``p`` above the
-    pivot and 0 elsewhere (IEEE subtraction of two different floats is never 0), and 3-4x a bool mask (a CPU
-    comparison into bool ran at a quarter of a float pass) on flat logits."""
+def _mass_above(probs: torch.Tensor, pivot: torch.Tensor, scratch: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(mass, above)``: mass (n,) float64, per row the sum of the probabilities strictly above ``pivot`` (n, 1);
+    above (n, V) those probabilities with every other one 0, or None. Only the blocks whose maximum exceeds the
+    pivot are summed when they are few (a peaked distribution; above is None), else every token is, in float
+    passes over a reused buffer (``scratch`` slot 1, overwritten by the next call): ``p * sign(max(p - pivot, 0))``
+    is exactly ``p`` above the pivot and 0 elsewhere (IEEE subtraction of two different floats is never 0), and
+    3-4x a bool mask (a CPU comparison into bool ran at a quarter of a float pass) on flat logits."""
     n = probs.shape[0]
     blocks = probs.view(n, -1, BLOCK)
     hot = blocks.amax(-1) > pivot
     if int(hot.sum()) * 8 > hot.numel():  # a flat distribution: gathering the blocks would cost more
-        kept = torch.sub(probs, pivot, out=_buffer(scratch, 1, tuple(probs.shape), probs.dtype))
-        return kept.clamp_(min=0).sign_().mul_(probs).sum(-1).double()
+        above = _above(probs, pivot, _buffer(scratch, 1, tuple(probs.shape), probs.dtype)).mul_(probs)
+        return above.sum(-1).double(), above
     rows, cols = hot.nonzero(as_tuple=True)
     values = blocks[rows, cols]
     part = (values * (values > pivot[rows])).sum(-1).double()
-    return torch.zeros(n, dtype=torch.float64).index_add_(0, rows, part)
+    return torch.zeros(n, dtype=torch.float64).index_add_(0, rows, part), None
+
+
+def _above(probs: torch.Tensor, pivot: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` = 1.0 where ``probs`` (n, V) exceeds ``pivot`` (n, 1), else 0.0: ``sign(max(p - pivot, 0))``."""
+    return torch.sub(probs, pivot, out=out).clamp_(min=0).sign_()
 
 
 def _full_probs(logits: torch.Tensor, inv_t: torch.Tensor, threshold: torch.Tensor | None,
@@ -148,13 +154,18 @@ def _sample_full(logits, inv_t, threshold, top_p: list[float], generators, scrat
     for _ in range(MAX_REJECTIONS):
         pivot = probs.gather(1, tokens[alive].unsqueeze(1))
         cut = torch.tensor([top_p[i] for i in alive], dtype=torch.float64)
-        rejected = _mass_above(probs, pivot, scratch) >= cut
-        keep = rejected.nonzero()[:, 0]
+        mass, above = _mass_above(probs, pivot, scratch)
+        keep = (mass >= cut).nonzero()[:, 0]
         if keep.numel() == 0:
             return tokens
         alive = [alive[i] for i in keep.tolist()]
-        probs = probs[keep]
-        probs.masked_fill_(probs <= pivot[keep], 0.0)  # no more likely than a rejected token: outside the nucleus
+        # Tokens no more likely than a rejected one are outside the nucleus: the rejected rows keep only those
+        # above their pivot (already computed on a flat distribution; a copy, as the buffer is reused).
+        if above is not None:
+            probs = above[keep]
+        else:
+            probs = probs[keep]
+            probs.mul_(_above(probs, pivot[keep], _buffer(scratch, 1, tuple(probs.shape), probs.dtype)))
         tokens[alive] = _draw_blocks(probs, _uniforms([generators[i] for i in alive]))
     ordered, order = probs.sort(-1, descending=True)
     nucleus = _keep_nucleus(ordered, _column([top_p[i] for i in alive]))
