@@ -26,6 +26,7 @@ from metainfer_gen.llm.model_runner import ModelRunner, kv_cache_bytes_per_block
 from metainfer_gen.llm.outputs import RequestOutput
 from metainfer_gen.llm.scheduler import Scheduler
 from metainfer_gen.llm.sequence import SamplingParams, Sequence
+from metainfer_gen.llm.step_recovery import run_step
 from metainfer_gen.platform import default_device, native_dtype
 
 Prompt = str | SequenceABC[int]
@@ -194,10 +195,9 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        with self.compile_guard():
-            sampled, runner = self.runner.run(out), self.runner
-        finished = {s.seq_id for s in self.scheduler.update(out, sampled, time.perf_counter(), runner.last_logprobs,
-                                                            runner.last_errors)}
+        with self.compile_guard():  # a row that raises ends its request alone (llm/step_recovery.py)
+            sampled, logprobs, errors = run_step(self.runner, out)
+        finished = {s.seq_id for s in self.scheduler.update(out, sampled, time.perf_counter(), logprobs, errors)}
         outputs = []
         for item in out.scheduled:
             seq = item.seq
@@ -268,9 +268,7 @@ class LLMEngine:
                              f"max {max(token_ids)}")
 
     def _detokenize(self, seq: Sequence) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        return "" if self.tokenizer is None else self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
 
 
 def _tensor_parallel(config: EngineConfig):

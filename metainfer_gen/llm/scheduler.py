@@ -151,7 +151,8 @@ class Scheduler:
                logprobs: dict | None = None, errors: dict[int, str] | None = None) -> list[Sequence]:
         """Advance the scheduled sequences, append sampled tokens (``seq_id -> token``) and their ``logprobs``
         (``seq_id -> TokenLogprobs``, for the requests that asked), finish what is done; a sequence in ``errors``
-        (``seq_id -> reason``: its row could not be sampled) finishes with reason "error" and that ``error``.
+        (``seq_id -> reason``: its row could not be computed or sampled) finishes with reason "error" and that
+        ``error``, its blocks of this step not registered in the prefix cache.
 
         Returns:
             the sequences that finished this step (their blocks are already free).
@@ -159,14 +160,14 @@ class Scheduler:
         finished = []
         for item in out.scheduled:
             seq = item.seq
+            if errors and seq.seq_id in errors:  # its row failed: it ends, alone, with the reason
+                seq.error = errors[seq.seq_id]
+                self._finish(seq, FinishReason.ERROR)  # before commit: KV of a failed forward is never registered
+                finished.append(seq)
+                continue
             seq.num_computed_tokens = item.start + item.num_tokens
             self.block_manager.commit(seq)
             if not item.sample:
-                continue
-            if errors and seq.seq_id in errors:  # its row could not be sampled: it ends, alone, with the reason
-                seq.error = errors[seq.seq_id]
-                self._finish(seq, FinishReason.ERROR)
-                finished.append(seq)
                 continue
             token = sampled[seq.seq_id]
             seq.append_token(token, now)

@@ -22,7 +22,7 @@ class SequenceStatus(enum.Enum):
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # end-of-sequence or a stop token was sampled
     LENGTH = "length"  # max_new_tokens or the model's context length was reached
-    ERROR = "error"  # refused at admission, or its row could not be sampled (see ``RequestOutput.error``)
+    ERROR = "error"  # refused at admission, or its row could not be computed or sampled (``RequestOutput.error``)
 
 
 MAX_LOGPROBS = 20  # top log-probabilities per token at most (OpenAI's top_logprobs range, vLLM's max_logprobs)
@@ -137,7 +137,7 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
     logprobs: list = field(default_factory=list)  # per output token, when params.logprobs is set (TokenLogprobs)
-    error: str | None = None  # why it finished with FinishReason.ERROR (its row could not be sampled)
+    error: str | None = None  # why it finished with FinishReason.ERROR (its row could not be computed or sampled)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
