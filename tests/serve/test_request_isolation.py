@@ -1,5 +1,5 @@
 """One request's failure stays its own (issue 31, class 1), against the live server: sampling at numeric extremes
-works, and a row whose sampling raises ends that request alone while a concurrent stream runs to its end."""
+works, and a row whose sampling or forward raises ends that request alone while a concurrent stream runs to its end."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from tests.serve.conftest import MODEL, free_blocks, wait_idle
 STREAM_TOKENS = 300  # long enough that the other request is computed in the same engine steps
 
 
-async def _stream_beside(server, others: list[dict]) -> tuple[int, str | None, list[httpx.Response]]:
-    """Open a greedy stream, send ``others`` (completions bodies, one after the other) once the stream has its
-    first token, then read the stream to its end: (its completion tokens, its finish reason, the responses)."""
+async def _stream_beside(server, others: list[dict], side=None) -> tuple[int, str | None, list]:
+    """Open a greedy stream, send ``others`` (completions bodies, one after the other; or run
+    ``await side(client)``) once the stream has its first token, then read the stream to its end: (its completion
+    tokens, its finish reason, the responses or what ``side`` returned)."""
     async with openai.AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=60) as client, \
             httpx.AsyncClient(base_url=server.base_url.removesuffix("/v1"), timeout=60) as http:
         stream = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=STREAM_TOKENS,
@@ -24,6 +25,8 @@ async def _stream_beside(server, others: list[dict]) -> tuple[int, str | None, l
         first = await asyncio.wait_for(anext(chunks), 30)
         reason, usage = first.choices[0].finish_reason if first.choices else None, None
         responses = [await http.post("/v1/completions", json=other) for other in others]
+        if side is not None:
+            responses.append(await side(client))
         async for chunk in chunks:
             if chunk.choices:
                 reason = chunk.choices[0].finish_reason or reason
@@ -73,3 +76,45 @@ def test_a_request_whose_row_raises_fails_alone(server, monkeypatch):
     assert free_blocks(server)[0] == free_blocks(server)[1]
     again = httpx.post(server.base_url + "/completions", json=body, timeout=30)
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 8
+
+
+def test_a_request_whose_forward_raises_fails_alone(server, monkeypatch):
+    """A fault injected into the model's forward whenever one request's prompt is in the step (its prefill): the
+    step is rerun in smaller groups, that request alone gets a 500 with its id and no internal detail, the stream
+    computed in the same steps gets every token, and the server answers the next requests."""
+    engine = server.front.engine
+    prompt = "the lazy dog remembers the pass key 4242"
+    window = engine.encode(prompt)[-4:]  # its uncached tail: only its prefill carries these four ids in a row
+    embed = engine.model.model.embed_tokens
+    real = embed.forward
+
+    def poisoned(ids):
+        flat = ids.tolist()
+        if any(flat[i:i + len(window)] == window for i in range(len(flat) - len(window) + 1)):
+            raise RuntimeError("injected fault in /srv/secret/path")
+        return real(ids)
+
+    async def send_poisoned(client):
+        try:
+            await client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        except openai.APIStatusError as exc:
+            return exc
+        return None
+
+    monkeypatch.setattr(embed, "forward", poisoned)  # one attribute store: atomic for the engine thread
+    tokens, reason, (failure,) = asyncio.run(asyncio.wait_for(_stream_beside(server, [], send_poisoned), 120))
+    assert (tokens, reason) == (STREAM_TOKENS, "length")
+    assert isinstance(failure, openai.InternalServerError), failure
+    message = failure.body["message"] if isinstance(failure.body, dict) else str(failure.body)
+    assert "computing its tokens failed (RuntimeError)" in message and "cmpl-" in message
+    assert "secret" not in failure.response.text and "injected" not in failure.response.text
+    with openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=30) as client:
+        other = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert other.usage.completion_tokens == 8  # the fault still in place: other requests are served
+        monkeypatch.undo()
+        wait_idle(server)
+        assert free_blocks(server)[0] == free_blocks(server)[1]
+        again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert again.usage.completion_tokens == 8
