@@ -121,3 +121,19 @@ def test_ignore_eos_and_max_model_len():
     assert not s.is_finished  # EOS ignored
     step(sched, token=0)
     assert s.finish_reason is FinishReason.LENGTH and len(s) == 6
+
+
+def test_a_failed_row_ends_its_sequence_alone_and_caches_nothing_of_its_step():
+    """A sequence in ``errors`` (here mid-prefill: a chunk that does not sample) finishes with its reason, its
+    blocks free and none of this step's registered; the other sequence of the step advances as usual."""
+    sched = make(budget=12)
+    bad, good = seq(16, first=30), seq(3)
+    sched.add(good)
+    sched.add(bad)
+    out = sched.schedule()
+    assert [(i.seq, i.sample) for i in out.scheduled] == [(good, True), (bad, False)]
+    finished = sched.update(out, {good.seq_id: 7}, errors={bad.seq_id: "computing its tokens failed (RuntimeError)"})
+    assert finished == [bad] and bad.finish_reason is FinishReason.ERROR and bad.error.startswith("computing")
+    assert good.output_token_ids == [7] and good.num_computed_tokens == 3 and sched.running == [good]
+    assert sched.block_manager.num_free_blocks == 16 - len(good.block_table)
+    assert sched.block_manager._hash_to_block == {}  # bad's two full blocks of this step were not registered

@@ -67,16 +67,23 @@ def clean(moe_checkpoint):
     return path, prompts, params, _engine(path).generate(prompts, params)
 
 
-def test_poisoned_prompts_fail_alone_in_a_batch(clean):
-    """Two poisoned prompts among ten admitted together: they end with an error that names no internal detail; the
-    eight others get their clean tokens; nothing is left in the pool and no poisoned block is cached."""
+@pytest.mark.parametrize("budget, head", [(2048, False), (7, True)])
+def test_poisoned_prompts_fail_alone_in_a_batch(clean, budget, head):
+    """Two poisoned prompts among ten: they end with an error that names no internal detail; the eight others get
+    their clean tokens; nothing is left in the pool and no poisoned block is cached. Budget 2048: all ten prefill in
+    one step, the poison in the sampling row; budget 7: chunked prefill, the poison in a first chunk (no sampling)."""
     path, prompts, params, expected = clean
     poison = _unused_tokens(expected, prompts, 160)[:2]
-    batch = [p + [poison[0]] if i == 3 else p + [poison[1]] if i == 8 else p for i, p in enumerate(prompts)]
-    engine = _engine(path)
+
+    def poisoned(prompt, token):
+        return [token] + prompt if head else prompt + [token]
+
+    batch = [poisoned(p, poison[0]) if i == 3 else poisoned(p, poison[1]) if i == 8 else p
+             for i, p in enumerate(prompts)]
+    engine = _engine(path, max_num_batched_tokens=budget)
     with _poison(engine, set(poison)) as raised:
         outputs = engine.generate(batch, params)
-    assert 0 < len(raised) <= 2 * len(batch)
+    assert 0 < len(raised) <= 4 * len(batch)  # each of the two failing steps: under 2n forwards
     for i, (out, ref) in enumerate(zip(outputs, expected)):
         if i in (3, 8):
             assert out.finish_reason == FinishReason.ERROR and out.token_ids == []
@@ -102,8 +109,8 @@ def _decode_poison(expected, prompts) -> tuple[int, int, int]:
 @pytest.mark.parametrize("budget", [2048, 7])
 def test_a_request_failing_mid_generation_ends_alone(clean, budget):
     """The fault comes with a token one greedy request generates: the decode step after it fails, beside other
-    decodes and (budget 7, staggered arrivals) prefill chunks; that request keeps the tokens it had, the others
-    get their clean tokens."""
+    decodes (budget 7, staggered arrivals: prefill chunks too, when they are still arriving); that request keeps the
+    tokens it had, the others get their clean tokens."""
     path, prompts, params, expected = clean
     victim, index, token = _decode_poison(expected, prompts)
     engine = _engine(path, max_num_batched_tokens=budget)
