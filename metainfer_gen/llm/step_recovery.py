@@ -10,7 +10,8 @@ own blocks, and a block is shared only once committed, which no later step write
 The groups are found by bisection (a failing group splits in halves; one of ``ONE_BY_ONE`` sequences or fewer runs
 them one at a time): fewer than ``2n`` extra forwards for n sequences, about ``2k log2(n)`` for k bad rows. If
 every sequence fails on its own, the failure is nobody's request (a broken model, a dead device): the step's first
-exception is raised, as before recovery existed. Sampling that fails for a row is already isolated by the runner
+exception is raised, as before recovery existed. A step of one sequence
+has nothing to tell apart: that sequence ends alone, so the requests queued behind it go on. Sampling that fails for a row is already isolated by the runner
 (``ModelRunner.last_errors``); this module catches what escapes it: the model's forward and the LM head. Seeded and
 greedy rows draw the same tokens as in the whole batch; unseeded random rows share one generator, whose order changes.
 """
@@ -40,8 +41,8 @@ def run_step(runner, out: SchedulerOutput) -> tuple[dict[int, int], dict, dict[i
         sampled = runner.run(out)
         return sampled, runner.last_logprobs, runner.last_errors
     except Exception as exc:
-        if len(out.scheduled) < 2:
-            raise  # nothing to tell apart: a lone failing sequence is today's failed step
+        if len(out.scheduled) < 2:  # nothing to tell apart: the lone sequence ends alone, the queue goes on
+            return {}, {}, _errors([(out.scheduled[0], exc)]) if out.scheduled else {}
         log.warning("a step of %d sequences failed (%s); rerunning them in smaller groups to find the failing rows",
                     len(out.scheduled), type(exc).__name__)
         return _isolate(runner, out.scheduled, exc)
@@ -66,12 +67,19 @@ def _isolate(runner, items: list[ScheduledSequence], error: Exception):
     if len(failed) == len(items):
         log.error("every sequence of the step fails on its own: not a per-request failure")
         raise error
+    errors.update(_errors(failed))
+    return sampled, logprobs, errors
+
+
+def _errors(failed: list[tuple[ScheduledSequence, Exception]]) -> dict[int, str]:
+    """``seq_id -> reason`` for the sequences whose rows raised, each logged with its request id and traceback."""
+    errors = {}
     for item, exc in failed:
         log.error("request %s: computing its row failed; it ends with an error, the rest of the step goes on",
                   item.seq.request_id, exc_info=exc)
         errors[item.seq.seq_id] = (f"computing its tokens failed ({type(exc).__name__}); the server's log has the "
                                    f"details")
-    return sampled, logprobs, errors
+    return errors
 
 
 def _split(group: list[ScheduledSequence]) -> list[list[ScheduledSequence]]:

@@ -137,14 +137,16 @@ def test_a_request_failing_mid_generation_ends_alone(clean, budget):
 
 
 def test_a_model_that_fails_for_every_request_still_raises(clean):
-    """Every sequence fails on its own: not a per-request failure, the step raises (after a bounded search); a lone
-    failing sequence has nothing to be told apart from and raises at once."""
-    path, prompts, params, _ = clean
+    """Every sequence of a batch fails on its own: not a per-request failure, the step raises (after a bounded
+    search). A lone failing sequence ends alone with its error, after one forward, and the queue goes on."""
+    path, prompts, params, expected = clean
     engine = _engine(path)
     with _poison(engine, None) as raised, pytest.raises(RuntimeError, match="injected fault"):
         engine.generate(prompts, params)
     assert len(prompts) < len(raised) < 2 * len(prompts)
     lone = _engine(path)
-    with _poison(lone, None) as raised, pytest.raises(RuntimeError, match="injected fault"):
-        lone.generate(prompts[:1], params[:1])
+    with _poison(lone, None) as raised:
+        out = lone.generate(prompts[:1], params[:1])[0]
     assert len(raised) == 1
+    assert out.finish_reason == "error" and "RuntimeError" in out.error and "injected" not in out.error
+    assert lone.generate(prompts[:1], params[:1])[0].token_ids == expected[0].token_ids  # fault gone: served
