@@ -1,4 +1,4 @@
-"""Write clips to MP4 (H.264, yuv420p, faststart; imageio), GIF (:mod:`.gif`) or a folder of PNG frames, atomically.
+"""Write clips to MP4 (H.264, yuv420p, faststart; :mod:`.mp4`), GIF (:mod:`.gif`) or a folder of PNG frames, atomically.
 
 A clip appears under its final name complete or not at all: every writer writes to a temporary sibling and
 renames it into place (``os.replace`` is atomic on one file system), so a crash mid-write never leaves a
@@ -90,6 +90,7 @@ def save_video(frames: np.ndarray, path: str | os.PathLike, fps: float = 8.0) ->
     import imageio.v2 as imageio
 
     from metainfer_gen.video.gif import gif_delays, write_gif
+    from metainfer_gen.video.mp4 import write_mp4
 
     frames = check_frames(frames)
     check_fps(fps)
@@ -116,13 +117,7 @@ def save_video(frames: np.ndarray, path: str | os.PathLike, fps: float = 8.0) ->
     os.close(fd)
     try:
         if suffix == ".mp4":
-            writer = imageio.get_writer(
-                tmp_name, format="FFMPEG", fps=fps, codec="libx264", pixelformat="yuv420p", macro_block_size=1,
-                ffmpeg_params=["-movflags", "+faststart", "-crf", "18"], ffmpeg_log_level="error",
-            )
-            with writer:
-                for frame in _pad_even(frames):
-                    writer.append_data(frame)
+            write_mp4(_pad_even(frames), tmp_name, fps)
         else:
             write_gif(frames, tmp_name, delays)  # not imageio's: Pillow's writer merges identical frames
         check_written(tmp_name, len(frames))
@@ -134,8 +129,9 @@ def save_video(frames: np.ndarray, path: str | os.PathLike, fps: float = 8.0) ->
 
 
 class ClipWriteError(OSError):
-    """A clip was written but does not read back whole: ffmpeg's writer reports a full disk or a failed close on
-    its log only, so a truncated MP4 would otherwise pass for a finished one."""
+    """A clip was not written whole: libav failed to write it, or it does not read back whole (ffmpeg's
+    subprocess writer reports a full disk or a failed close on its log only, so a truncated MP4 would otherwise
+    pass for a finished one)."""
 
 
 def check_written(path: str | os.PathLike, num_frames: int) -> None:
@@ -147,8 +143,10 @@ def check_written(path: str | os.PathLike, num_frames: int) -> None:
     """
     import errno
 
+    from metainfer_gen.video.mp4 import count_mp4_frames
+
     try:
-        found = len(read_video(path))
+        found = count_mp4_frames(path) if Path(path).suffix.lower() == ".mp4" else len(read_video(path))
     except Exception as exc:  # noqa: BLE001 - whatever the decoder raises, the clip is not whole
         raise ClipWriteError(errno.EIO, f"the written clip does not decode ({type(exc).__name__}); is the disk "
                                         "full?") from exc
