@@ -46,10 +46,11 @@ def have_pyav() -> bool:
 def x264_params() -> str:
     """``x264-params`` for the in-process encoder: ``asm=AVX2`` on a CPU with AVX-512, else empty (x264's own choice).
 
-    x264's AVX-512 routines (mbtree/lookahead: ``no-mbtree``, ``rc-lookahead=0`` or ``asm=0`` hide it too) make P/B
-    frames depend on memory left over from earlier allocations: in one process, the same frames gave 3-7 different
-    files in 10 encodes (PyAV 18.1, EPYC). A fresh ffmpeg process starts on zeroed pages, which is why the
-    subprocess path did not show it. x264's asm is bit-exact to its C code, so capping it changes no decision;
+    With x264's AVX-512 routines (in mbtree/lookahead: ``no-mbtree``, ``rc-lookahead=0`` or ``asm=0`` hide it too)
+    the P/B frames of one clip change from encode to encode in one process: 14 different files in 20 encodes of a
+    17 x 64 x 64 clip (PyAV 18.1, EPYC); ``asm=AVX2``: 1 in 150 encodes of 5 clips. Likely a read of memory left by
+    earlier allocations, which a fresh ffmpeg process gets zeroed: the subprocess path never showed it. x264's asm
+    is bit-exact to its C code, so capping it changes no encoding decision;
     ``asm`` is forced, not masked, so it is capped only where AVX-512 (hence AVX2, FMA3, BMI2) is known to be
     present: Linux's /proc/cpuinfo.
     """
@@ -116,7 +117,7 @@ def _encode_pyav(av: Any, frames: np.ndarray, path: str, rate: Fraction) -> None
     """libx264 encode and mp4 mux of :func:`write_mp4`: fixed pts, time base and thread count; bitexact flags keep
     libav's version strings out of the file, and the mp4 muxer writes no creation time unless given one."""
     options = {"movflags": "+faststart", "fflags": "+bitexact"}
-    with av.open(path, mode="w", format="mp4", options=options) as container:
+    with av.open(path, mode="w", format="mp4", container_options=options) as container:
         stream = container.add_stream("libx264", rate=rate)
         stream.width, stream.height = frames.shape[2], frames.shape[1]
         stream.pix_fmt = "yuv420p"
