@@ -118,7 +118,9 @@ class Capabilities:
         return [(i, j) for i in range(n) for j in range(n) if i != j and (i, j) not in self.peer_access]
 
 
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from Linux's ``/proc/cpuinfo`` (``avx512f``, ``amx_bf16``, ...); empty where that file
+    is missing (another OS) or unreadable."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
@@ -145,7 +147,7 @@ def _probe() -> Capabilities:
         torch_cuda=torch.version.cuda,
         torch_hip=torch_hip,
     )
-    matrix = _cpu_matrix(_cpu_flags())
+    matrix = _cpu_matrix(cpu_flags())
     kwargs["cpu_matrix"] = matrix
     if not torch.cuda.is_available():
         native = bool(matrix)

@@ -54,12 +54,9 @@ def x264_params() -> str:
     ``asm`` is forced, not masked, so it is capped only where AVX-512 (hence AVX2, FMA3, BMI2) is known to be
     present: Linux's /proc/cpuinfo.
     """
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
-            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
-    except OSError:
-        return ""
-    return "asm=AVX2" if {"avx512f", "avx512bw", "avx2", "fma", "bmi2"} <= set(flags) else ""
+    from metainfer_gen.platform import cpu_flags
+
+    return "asm=AVX2" if {"avx512f", "avx512bw", "avx2", "fma", "bmi2"} <= cpu_flags() else ""
 
 
 def rgb_to_yuv420p(frame: np.ndarray) -> np.ndarray:

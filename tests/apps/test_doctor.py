@@ -98,7 +98,7 @@ def test_the_cpu_probe_says_whether_a_bf16_vae_pays(monkeypatch, native):
     from metainfer_gen import platform
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(platform, "_cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"} if native else {"avx512f"}))
+    monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"} if native else {"avx512f"}))
     caps = platform._probe()
     assert caps.bf16 is native
     assert caps.cpu_matrix == ("avx512_bf16" if native else "")
