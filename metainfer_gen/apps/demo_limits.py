@@ -116,15 +116,23 @@ def _number(name: str, value: object, low: float, high: float) -> float:
 
 
 def _whole(name: str, value: object) -> int:
-    """``value`` as an int; sliders and number boxes send floats such as 17.0."""
+    """``value`` as an int; sliders and number boxes send floats such as 17.0. An int (or a string of digits) is
+    taken exactly, never through a float (which rounds above 2**53: a seed of 2**63 - 1 would become 2**63)."""
     if isinstance(value, bool) or value is None:
         raise InputError(f"{name} must be a whole number; got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return int(value)
     try:
         number = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         raise InputError(f"{name} must be a whole number; got {value!r}") from None
     if not math.isfinite(number) or number != int(number):
         raise InputError(f"{name} must be a whole number; got {value!r}")
+    if abs(number) > 2**53:  # a float this large is already rounded: the number sent is not known
+        raise InputError(f"{name} must be a whole number written as an integer past 2**53, not a float; "
+                         f"got {value!r}")
     return int(number)
 
 
@@ -185,6 +193,6 @@ def check_lora(folder: str | Path, name: str, weight: object) -> tuple[Path, flo
     """
     path = resolve_lora(folder, name)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not abs(weight) <= MAX_LORA_WEIGHT:
-        raise InputError(f"LoRA weight must be a number in [-{MAX_LORA_WEIGHT:g}, {MAX_LORA_WEIGHT:g}]; "
-                         f"got {weight!r}")
+        raise InputError(f"lora_weight (the LoRA's weight) must be a number in [-{MAX_LORA_WEIGHT:g}, "
+                         f"{MAX_LORA_WEIGHT:g}]; got {weight!r}")
     return path, float(weight)

@@ -70,6 +70,8 @@ def new_app():
     from fastapi.responses import JSONResponse
     from fastapi.routing import APIRoute
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
+    from starlette.responses import Response
 
     from metainfer_gen import __version__
 
@@ -112,6 +114,10 @@ def new_app():
                     return await handler(request)
                 except (APIError, HTTPException, RequestValidationError):
                     raise
+                except ClientDisconnect:  # gone before its body arrived: nobody to answer, one log line
+                    log.info("%s %s: the client disconnected before its body arrived", request.method,
+                             request.url.path)
+                    return Response(status_code=400)
                 except Exception as exc:  # noqa: BLE001 - logged with its request id, answered without its text
                     return internal_error(request, exc)
 

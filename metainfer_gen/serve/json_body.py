@@ -42,8 +42,11 @@ def parse_json_object(raw: bytes, content_type: str | None) -> dict:
     except RecursionError:
         raise bad_request(f"the JSON body is nested too deeply: at most {MAX_JSON_DEPTH} levels",
                           code="invalid_json") from None
-    except ValueError as exc:  # JSONDecodeError, or an integer of more than 4,300 digits
+    except json.JSONDecodeError as exc:
         raise bad_request(f"malformed JSON in the request body: {exc}", code="invalid_json") from None
+    except ValueError:  # an integer literal past the interpreter's digit limit (4,300)
+        raise bad_request("a number in the request body has thousands of digits: no field takes a number that "
+                          "large", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object; got {json_kind(body)}", code="invalid_json")
     check_strings(body)

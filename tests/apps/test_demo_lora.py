@@ -42,8 +42,8 @@ def test_a_chosen_lora_changes_the_clip_and_none_restores_the_base(lora_backend)
 @pytest.mark.parametrize("name, weight, words", [
     ("../kohya.safetensors", 1.0, "outside the LoRA folder"),
     ("/etc/passwd", 1.0, "not a path"),
-    ("kohya.safetensors", 5.0, "LoRA weight must be a number in \\[-2, 2\\]"),
-    ("kohya.safetensors", float("nan"), "LoRA weight must be"),
+    ("kohya.safetensors", 5.0, "lora_weight \\(the LoRA.s weight\\) must be a number in \\[-2, 2\\]"),
+    ("kohya.safetensors", float("nan"), "lora_weight \\(the LoRA.s weight\\) must be"),
 ])
 def test_names_outside_the_folder_and_wild_weights_are_refused(lora_backend, name, weight, words):
     with pytest.raises(InputError, match=words):

@@ -6,6 +6,7 @@ serving. An unexpected exception answers a 500 with a request id and no internal
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -62,7 +63,7 @@ def test_deep_nesting_and_huge_integers_are_a_400(http):
         check_error(http.post(route, content=shallow_but_past_bound, headers=JSON), 400, "prompt",
                     "nested too deeply")
         huge = b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"
-        check_error(http.post(route, content=huge, headers=JSON), 400, None, "malformed JSON")
+        check_error(http.post(route, content=huge, headers=JSON), 400, None, "thousands of digits")
     check_next_good(http)
 
 
@@ -97,4 +98,27 @@ def test_an_unexpected_exception_answers_a_request_id_and_no_internal_text(http,
     assert request_id in error["message"]
     assert any(request_id in record.getMessage() for record in caplog.records)
     monkeypatch.undo()
+    check_next_good(http)
+
+
+def test_a_client_gone_before_its_body_arrived_logs_one_line(server, http, caplog):
+    """A client that sends half a body and closes gets nothing (it is gone) and costs one info line, never a
+    traceback per connection (a flood of them was one client's doing)."""
+    import logging
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(server.base_url)
+    caplog.set_level(logging.INFO, logger="metainfer_gen")
+    for _ in range(3):
+        with socket.create_connection((where.hostname, where.port), timeout=5) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"mod")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and sum("disconnected before its body" in r.getMessage()
+                                              for r in caplog.records) < 3:
+        time.sleep(0.05)
+    gone = [r for r in caplog.records if "disconnected before its body" in r.getMessage()]
+    assert len(gone) == 3 and all(r.levelno == logging.INFO and r.exc_info is None for r in gone)
+    assert not any(r.exc_info and "ClientDisconnect" in repr(r.exc_info[1].__class__) for r in caplog.records)
     check_next_good(http)

@@ -61,3 +61,47 @@ def test_a_failed_job_shows_no_server_path(http, video_server):
     shown = http.get(f"/v1/videos/{failed['id']}").text
     for part in [p for p in stored.split() if p.startswith(("/", "'/"))]:
         assert part.strip("'\":,") not in shown
+
+
+def test_what_a_new_user_sent_is_refused_by_field_or_taken_exactly(http):
+    """Found by a new user's probe: seeds past 2**53 were rounded through a float, fps 0 became the default,
+    lora_weight without lora was ignored and a bad one was blamed on lora, an upload's error named Pillow's
+    exception classes, a second upload got Starlette's text with no field, a 5,000-digit number got Python's."""
+    before = _count(http)
+    exact = http.post("/v1/videos", json={"prompt": "a red circle", **SHORT, "seed": 2**63 - 1})
+    assert exact.status_code == 200, exact.text
+    assert exact.json()["seed"] == 2**63 - 1
+    assert wait_for(http, exact.json()["id"])["seed"] == 2**63 - 1
+    odd = http.post("/v1/videos", json={"prompt": "a red circle", **SHORT, "seed": 2**53 + 1})
+    assert odd.status_code == 200 and odd.json()["seed"] == 2**53 + 1, odd.text
+    _refused(http.post("/v1/videos", json={"prompt": "x", **SHORT, "seed": 2.0**60}), "seed", "whole number")
+    _refused(http.post("/v1/videos", json={"prompt": "x", **SHORT, "fps": 0}), "fps", "outside 0..120")
+    _refused(http.post("/v1/videos", json={"prompt": "x", **SHORT, "lora_weight": 5}), "lora_weight",
+             "without lora")
+    _refused(http.post("/v1/videos", json={"prompt": "x", **SHORT, "lora": "style_navy.safetensors",
+                                           "lora_weight": 5}), "lora_weight", "[-2, 2]")
+    fields = {key: str(value) for key, value in SHORT.items()}
+    not_image = http.post("/v1/videos", data={"prompt": "x", **fields},
+                          files={"input_reference": ("a.png", b"not an image", "image/png")})
+    _refused(not_image, "input_reference", "not a whole image")
+    assert "Error" not in not_image.json()["error"]["message"]
+    png = _png()
+    two = http.post("/v1/videos", data={"prompt": "x", **fields},
+                    files=[("input_reference", ("a.png", png, "image/png")), ("input_reference", ("b.png", png,
+                                                                                                 "image/png"))])
+    _refused(two, "input_reference", "one input_reference file")
+    digits = b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}"
+    huge = http.post("/v1/videos", content=digits, headers=JSON)
+    _refused(huge, None, "thousands of digits")
+    assert "sys." not in huge.json()["error"]["message"]
+    assert _count(http) == before + 2
+
+
+def _png() -> bytes:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(buffer, format="PNG")
+    return buffer.getvalue()

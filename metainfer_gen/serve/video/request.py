@@ -148,7 +148,8 @@ def parse_video_request(body: dict[str, Any], checks: RequestChecks, image: str 
     prompt = _checked(lambda: limits.check_prompt(body.get("prompt")), "prompt")
     negative = _checked(lambda: limits.check_prompt(body.get("negative_prompt"), "negative_prompt",
                                                     required=False), "negative_prompt") or None
-    fps = _number(body, "fps") or float(checks.defaults.get("fps", 8.0))
+    fps = _number(body, "fps")
+    fps = float(checks.defaults.get("fps", 8.0)) if fps is None else fps
     if not 0 < fps <= 120:
         raise bad_request(f"fps={fps:g} is outside 0..120", "fps")
     width, height = _size(body)
@@ -206,10 +207,16 @@ def _frames_for(seconds: float, fps: float, temporal_factor: int) -> int:
 
 def _lora(body: dict, checks: RequestChecks) -> tuple[str, str, float] | None:
     name = body.get("lora")
+    weight = _number(body, "lora_weight")
     if name in (None, "", "none"):
+        if weight is not None:
+            raise bad_request(f"lora_weight={weight:g} is given without lora: name the LoRA it weighs (a file "
+                              "in the server's --lora-dir), or leave lora_weight out", "lora_weight")
         return None
     if checks.lora is None:
         raise bad_request("this server has no LoRA folder (--lora-dir): lora cannot be used", "lora")
-    weight = _number(body, "lora_weight")
-    path, weight = _checked(lambda: checks.lora(name, 1.0 if weight is None else weight), "lora")
+    try:  # the check's message starts with the field it is about (lora_weight), else it is about the name
+        path, weight = checks.lora(name, 1.0 if weight is None else weight)
+    except (ValueError, TypeError) as exc:
+        raise bad_request(str(exc), _param_of(str(exc), FIELDS) or "lora") from None
     return str(name), str(path), float(weight)

@@ -54,6 +54,7 @@ def add_video_routes(app, service, api_key: str | None, max_body_bytes: int,
     """
     from fastapi import Request
     from fastapi.responses import FileResponse, JSONResponse
+    from starlette.exceptions import HTTPException
 
     name = service.model_name
     headers = {"openai-poll-after-ms": str(POLL_AFTER_MS)}
@@ -66,7 +67,12 @@ def add_video_routes(app, service, api_key: str | None, max_body_bytes: int,
             # form() reads the body from request._body
             refuse_query(request)
             request._body = await read_body(request, service.config.max_upload_bytes, "--max-upload-mb")
-            form = await request.form(max_files=1, max_fields=len(FIELDS))
+            try:
+                form = await request.form(max_files=1, max_fields=len(FIELDS))
+            except HTTPException as exc:  # Starlette's own 400 for a form past its bounds: name the field
+                files = "files" in str(exc.detail)
+                raise bad_request(f"the form was refused: {exc.detail} (one input_reference file, and fields among "
+                                  f"{', '.join(FIELDS)})", "input_reference" if files else None) from None
             body = {key: value for key, value in form.items() if key != "input_reference"}
             check_form_text(body, request._body)
             upload = form.get("input_reference")

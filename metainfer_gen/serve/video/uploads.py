@@ -36,8 +36,8 @@ def decode_image(data: bytes, limits):
                 image.load()
                 return image.convert("RGB")
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError, ValueError) as exc:
-        raise bad_request(f"input_reference is not an image Pillow can read ({type(exc).__name__}); upload a PNG "
-                          f"or JPEG", "input_reference") from None
+        raise bad_request("input_reference is not a whole image Pillow can read (not an image, truncated, or "
+                          "too large to decode); upload a PNG or JPEG", "input_reference") from None
     raise bad_request(f"input_reference: {too_large}", "input_reference")
 
 
