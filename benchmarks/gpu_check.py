@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 # cannot be left out of the device check.
 OPS = ("rms_norm", "fused_add_rms_norm", "rope", "adaln_modulate", "gated_residual", "store_kv_cache",
        "fp8_act_quant", "fp8_weight_dequant", "fp8_block_gemm", "indexer_topk", "sparse_mla", "moe_experts",
-       "conv3d", "channel_rms_norm", "timestep_embedding", "paged_mla_decode", "linear", "block_attention")
+       "conv3d", "channel_rms_norm", "upsample_nearest", "timestep_embedding", "paged_mla_decode", "linear",
+       "block_attention")
 IN_PLACE = {"store_kv_cache": (2, 4)}  # op -> the argument slice it writes (compared instead of the return value)
 INDEX_OUTPUT = {"indexer_topk"}  # returns key indices: compared by top-k overlap
 VARIANTS = {"sparse_mla": {"prefill": lambda a: a,

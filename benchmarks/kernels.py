@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from metainfer_gen.kernels import adaln, channel_norm, conv, kv_cache, norm, rotary, timestep_embed  # noqa: E402
+from metainfer_gen.kernels import adaln, channel_norm, conv, kv_cache, norm, rotary, timestep_embed, upsample  # noqa: E402
 from metainfer_gen.kernels.registry import Op  # noqa: E402
 from table import run_footer, run_header  # noqa: E402  (benchmarks/ is on the path when a script here runs)
 
@@ -198,6 +198,11 @@ def _torch_channel_norm(a):
     return lambda: F.normalize(x, dim=1, eps=eps) * scale * gamma + bias  # diffusers' WanRMS_norm, in x.dtype
 
 
+def _torch_upsample(a):
+    x, scale, mode = a
+    return lambda: upsample.upsample_nearest_reference(x, scale, mode)
+
+
 def _torch_timestep(a):
     timestep, embed = a
     return lambda: embed(timestep)
@@ -227,6 +232,10 @@ CASES = [
     Case("channel_rms_norm", channel_norm.CHANNEL_RMS_NORM,
          lambda d, t, q: channel_norm.CHANNEL_RMS_NORM.example(d, t)[0], lambda a: 2 * _nbytes(a[0]),
          _torch_channel_norm, "F.normalize(x, dim=1) * sqrt(C) * gamma + bias in x.dtype"),
+    # The embedded Wan VAE decoder's largest upsampling (its WanUpsample), also at --quick.
+    Case("upsample_nearest", upsample.UPSAMPLE_NEAREST, lambda d, t, q: upsample.UPSAMPLE_NEAREST.example(d, t)[0],
+         lambda a: 5 * _nbytes(a[0]), _torch_upsample, "F.interpolate in float32, cast back (diffusers' WanUpsample)",
+         torch_is_reference=True),
     # The embedded model's condition embedder on 2 x 320 per-token timesteps (TI2V), also at --quick.
     Case("timestep_embedding", timestep_embed.TIMESTEP_EMBEDDING, _timestep, lambda a: _nbytes(a[0]),
          _torch_timestep, "the MLP on every row (the reference)", torch_is_reference=True),

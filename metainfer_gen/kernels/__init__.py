@@ -37,6 +37,7 @@ _EXPORTS = {
     "linear": "metainfer_gen.kernels.gemm",
     "conv3d": "metainfer_gen.kernels.conv",
     "channel_rms_norm": "metainfer_gen.kernels.channel_norm",
+    "upsample_nearest": "metainfer_gen.kernels.upsample",
     "timestep_embedding": "metainfer_gen.kernels.timestep_embed",
     "audit": "metainfer_gen.kernels.audit_log",
     "global_audit": "metainfer_gen.kernels.audit_log",

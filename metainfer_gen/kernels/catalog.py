@@ -28,6 +28,7 @@ BUILTIN_KERNEL_MODULES: list[str] = [
     "metainfer_gen.kernels.moe",
     "metainfer_gen.kernels.conv",
     "metainfer_gen.kernels.channel_norm",
+    "metainfer_gen.kernels.upsample",
     "metainfer_gen.kernels.timestep_embed",
 ]
 

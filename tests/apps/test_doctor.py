@@ -14,9 +14,10 @@ from metainfer_gen.apps.cli import main
 
 OPS = ("rms_norm", "fused_add_rms_norm", "rope", "adaln_modulate", "gated_residual", "store_kv_cache",
        "fp8_act_quant", "fp8_weight_dequant", "fp8_block_gemm", "indexer_topk", "sparse_mla", "paged_mla_decode",
-       "moe_experts", "conv3d", "channel_rms_norm", "timestep_embedding", "linear", "block_attention")
+       "moe_experts", "conv3d", "channel_rms_norm", "upsample_nearest", "timestep_embedding", "linear",
+       "block_attention")
 # Ops whose fastest implementation runs on a CPU-only machine too (plain torch; oneDNN, built into the CPU wheel).
-TORCH_FASTEST = ("moe_experts", "conv3d", "channel_rms_norm", "timestep_embedding")
+TORCH_FASTEST = ("moe_experts", "conv3d", "channel_rms_norm", "upsample_nearest", "timestep_embedding")
 
 
 @pytest.fixture(autouse=True)

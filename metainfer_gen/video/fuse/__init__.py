@@ -22,6 +22,7 @@ WAN_FUSERS = {
     "WanTimeTextImageEmbedding": "metainfer_gen.video.fuse.wan_embedder:fuse_wan_condition_embedder",
     "WanCausalConv3d": "metainfer_gen.video.fuse.wan_vae:fuse_wan_causal_conv3d",
     "WanRMS_norm": "metainfer_gen.video.fuse.wan_vae:fuse_wan_rms_norm",
+    "WanUpsample": "metainfer_gen.video.fuse.wan_vae:fuse_wan_upsample",
     "WanRotaryPosEmbed": "metainfer_gen.video.fuse.wan_rope:fuse_wan_rotary_table",
 }
 for _class_name, _fuser in WAN_FUSERS.items():

@@ -45,6 +45,8 @@ class FuseKernelsConfig:
             :mod:`metainfer_gen.kernels.conv`).
         channel_norm: video VAEs: Wan's channels-first RMS norms through ``channel_rms_norm`` (see
             :mod:`metainfer_gen.kernels.channel_norm`).
+        upsample: video VAEs: Wan's nearest upsampling in the feature map's dtype through ``upsample_nearest``
+            (no float32 round trip; bit-identical, see :mod:`metainfer_gen.kernels.upsample`).
         timestep_embedding: Wan's condition embedder: the per-token timestep MLP once per distinct timestep
             through ``timestep_embedding`` (see :mod:`metainfer_gen.kernels.timestep_embed`).
         rope_table: Wan's rotary position tables built once per token grid, not per call (exact; see
@@ -57,12 +59,13 @@ class FuseKernelsConfig:
     rope: bool = True
     conv3d: bool = True
     channel_norm: bool = True
+    upsample: bool = True
     timestep_embedding: bool = True
     rope_table: bool = True
     strict: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("adaln", "qk_norm", "rope", "conv3d", "channel_norm", "timestep_embedding", "rope_table"):
+        for name in ("adaln", "qk_norm", "rope", "conv3d", "channel_norm", "upsample", "timestep_embedding", "rope_table"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"FuseKernelsConfig.{name} must be a bool; got {getattr(self, name)!r}")
         if self.strict is not None and not isinstance(self.strict, bool):

@@ -7,7 +7,8 @@ feature map fewer), and calls :func:`metainfer_gen.kernels.conv.conv3d`, which o
 PyTorch's size rule would pick ``slow_conv3d`` (see that module). ``WanRMS_norm`` with ``channel_first=True``
 goes through :func:`metainfer_gen.kernels.channel_norm.channel_rms_norm` (a sum of squares instead of
 ``F.normalize``'s strided ``linalg.vector_norm``). Weights and modules are untouched; ``unfuse_kernels`` restores
-the original forwards.
+the original forwards. ``WanUpsample`` (an ``nn.Upsample`` whose forward goes through float32) goes through
+:func:`metainfer_gen.kernels.upsample.upsample_nearest` in the feature map's own dtype (bit-identical).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import torch.nn.functional as F
 
 from metainfer_gen.kernels.channel_norm import channel_rms_norm
 from metainfer_gen.kernels.conv import conv3d
+from metainfer_gen.kernels.upsample import NEAREST_MODES, upsample_nearest
 from metainfer_gen.video.fuse.core import FuseKernelsConfig
 from metainfer_gen.video.fuse.wan import _model_hook_base, _register
 
-__all__ = ["FusedWanCausalConv3dHook", "FusedWanRMSNormHook", "fuse_wan_causal_conv3d", "fuse_wan_rms_norm"]
+__all__ = ["FusedWanCausalConv3dHook", "FusedWanRMSNormHook", "FusedWanUpsampleHook", "fuse_wan_causal_conv3d",
+           "fuse_wan_rms_norm", "fuse_wan_upsample"]
 
 
 class FusedWanCausalConv3dHook(_model_hook_base()):
@@ -74,4 +77,35 @@ def fuse_wan_rms_norm(norm, name: str, config: FuseKernelsConfig) -> str | None:
     if not isinstance(gamma, torch.Tensor) or scale is None or abs(scale - gamma.shape[0] ** 0.5) > 1e-6:
         return "no (gamma, scale = sqrt(dim)) layout; the fused forward assumes diffusers' WanRMS_norm"
     _register(norm, FusedWanRMSNormHook(config))
+    return None
+
+
+class FusedWanUpsampleHook(_model_hook_base()):
+    """Replaces ``WanUpsample.forward(x)`` (x (N, C, H, W)): ``upsample_nearest`` in x's dtype (audited at the call
+    site ``"WanUpsample"``)."""
+
+    def new_forward(self, up, x: torch.Tensor) -> torch.Tensor:
+        return upsample_nearest(x, _integer_factors(up.scale_factor), up.mode, site="WanUpsample",
+                                strict=self.config.strict)
+
+
+def _integer_factors(scale_factor) -> tuple[int, int] | None:
+    factors = tuple(scale_factor) if isinstance(scale_factor, (tuple, list)) else (scale_factor, scale_factor)
+    if len(factors) != 2 or any(not isinstance(f, (int, float)) or f < 1 or int(f) != f for f in factors):
+        return None
+    return int(factors[0]), int(factors[1])
+
+
+def fuse_wan_upsample(up, name: str, config: FuseKernelsConfig) -> str | None:
+    """Install :class:`FusedWanUpsampleHook` on a ``WanUpsample``, or return why not."""
+    if not config.upsample:
+        return "upsample disabled in FuseKernelsConfig"
+    params = list(inspect.signature(type(up).forward).parameters)[1:]
+    if params != ["x"]:
+        return f"forward takes {params}, expected ['x'] (diffusers version changed the layer)"
+    if getattr(up, "mode", None) not in NEAREST_MODES or getattr(up, "size", None) is not None:
+        return f"mode {getattr(up, 'mode', None)!r} with size {getattr(up, 'size', None)!r}: only nearest by factors"
+    if _integer_factors(getattr(up, "scale_factor", None)) is None:
+        return f"scale_factor {getattr(up, 'scale_factor', None)!r} is not two integer factors"
+    _register(up, FusedWanUpsampleHook(config))
     return None
