@@ -3,7 +3,8 @@
 It composes the per-feature switches in one order known to be correct (weights first, hooks outermost last; see
 :mod:`metainfer_gen.video.presets`) and turns each on only where it is safe for the loaded model and this machine:
 bf16 per component only with native bf16 (``platform.capabilities().bf16``) and where the component's own check
-against float32 passes (:mod:`metainfer_gen.video.bf16_check`); the model's step LoRA fused into the weights; the
+against float32 passes (:mod:`metainfer_gen.video.bf16_check`), the transformer on the CPU only from the width where
+bf16 pays (:data:`CPU_BF16_MIN_WIDTH`); the model's step LoRA fused into the weights; the
 fused kernels, the condition-embedder memo and the prompt-embedding cache wherever the model has the modules they
 serve; regional compilation of the transformer blocks (diffusers' ``compile_repeated_blocks``) where it pays.
 What is on, and why anything is refused, is the returned report, ``pipe.acceleration`` and every call's
@@ -19,6 +20,11 @@ STEP_LORA_ADAPTER = "steps"
 # The embedded model's step LoRA (demo_models/video/train_step_lora.py): distilled for 4-8 unguided steps.
 EMBEDDED_STEP_LORA = {"file": "steps_4_8.safetensors", "num_inference_steps": 4, "guidance_scale": 1.0}
 PROBE_MAX_PIXELS, PROBE_MAX_FRAMES = 128, 17  # the bf16 checks' largest probe: 17 frames of 128x128
+# Below this transformer width (attention heads x head size) bf16 does not pay on the CPU: its GEMMs are too small
+# for AVX512-BF16 to win back the casts. Wan-style transformers, 2 blocks, 320 tokens, fused kernels, one thread
+# (2026-12-02, AVX512-BF16): width 128 (the embedded model) 14.7 ms bf16 against 14.7 ms float32 (two threads
+# 20.8 against 19.2 ms, 6 blocks), 256 1.31x faster in bf16, 512 1.44x, 1024 1.74x (1280 tokens at 512: 1.38x).
+CPU_BF16_MIN_WIDTH = 256
 # Why regional compilation stays off on the CPU (measured on the embedded model, unfused, 4 unguided steps):
 CPU_COMPILE_REFUSAL = ("does not pay on the CPU at this model's size: on the embedded model (AVX512-BF16, 1 thread) "
                        "a 4-step clip took 1.57 s compiled against 1.58 s eager, after a 22-47 s first call; pass "
@@ -137,6 +143,11 @@ class AccelerationMixin:
                                        "avx512_bf16): emulated bf16 is slower than float32")
             elif not modules:
                 report.refuse(feature, f"the pipeline has no {component}")
+            elif component == "transformer" and not self.device.startswith("cuda") and _narrow(modules):
+                report.refuse(feature, f"does not pay on the CPU at this model's size: width {_narrow(modules)} "
+                                       f"is below {CPU_BF16_MIN_WIDTH}, where bf16 GEMMs start to beat float32 "
+                                       "(on the embedded model a forward took 20.8 ms in bf16 against 19.2 ms "
+                                       "float32, two threads)")
             else:
                 # all or none: a model's experts (Wan 2.2) must share one dtype
                 backups = [bf16_check.float32_backup(m) for m in modules] if len(modules) > 1 else [None]
@@ -213,3 +224,17 @@ class AccelerationMixin:
             self.enable_step_cache(preset.step_cache)
             report.on("step_cache", f"{preset.step_cache} (stands aside where too few steps are run; "
                                     "out.stats.cache says per call)")
+
+
+def _narrow(transformers) -> int | None:
+    """The width (heads x head size) of the narrowest transformer when it is below :data:`CPU_BF16_MIN_WIDTH`;
+    None when all are as wide or a width cannot be read from the config (then the quality check alone decides)."""
+    widths = []
+    for module in transformers:
+        config = getattr(module, "config", None)
+        heads, size = getattr(config, "num_attention_heads", None), getattr(config, "attention_head_dim", None)
+        if not isinstance(heads, int) or not isinstance(size, int):
+            return None
+        widths.append(heads * size)
+    narrowest = min(widths, default=None)
+    return narrowest if narrowest is not None and narrowest < CPU_BF16_MIN_WIDTH else None

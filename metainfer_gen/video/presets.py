@@ -9,7 +9,7 @@ device work, so it is tested on its own.
 |---|---|---|---|---|
 | ``quality`` | ``quality`` | none | no | clips closest to the uncached float32 ones |
 | ``balanced`` | ``quality`` | the VAE, where its check passes | no | speed at 30+ dB from plain diffusers |
-| ``fastest`` | ``fast`` | VAE and transformer, each where its check passes | the model's, fused | clips per hour |
+| ``fastest`` | ``fast`` | VAE and transformer, each where its check passes (and, on the CPU, the transformer where it pays) | the model's, fused | clips per hour |
 
 Every preset also turns on the lossless helpers (the fused kernels, the condition-embedder memo, the prompt-
 embedding cache) and regional compilation of the transformer blocks where it pays (a GPU; on the CPU it is refused

@@ -86,8 +86,10 @@ def test_without_native_bf16_no_preset_casts_anything_and_says_why(tiny_wan_dir)
 
 
 def test_a_failing_bf16_check_keeps_float32_bit_for_bit(tiny_wan_dir, monkeypatch):
+    from metainfer_gen.pipelines import acceleration
     from metainfer_gen.video import bf16_check
 
+    monkeypatch.setattr(acceleration, "CPU_BF16_MIN_WIDTH", 0)  # the tiny model is narrower: reach the check
     pipe = _pipe(tiny_wan_dir)
     before = {k: v.clone() for k, v in pipe.diffusers_pipeline.transformer.state_dict().items()}
     monkeypatch.setattr(bf16_check, "TRANSFORMER_MIN_DB", 1000.0)
@@ -99,14 +101,30 @@ def test_a_failing_bf16_check_keeps_float32_bit_for_bit(tiny_wan_dir, monkeypatc
     assert all(torch.equal(before[k], after[k]) and after[k].dtype == before[k].dtype for k in before)
 
 
-def test_bf16_keeps_the_modules_diffusers_keeps_in_float32(tiny_wan_dir):
+def test_a_narrow_transformer_stays_float32_on_the_cpu_and_says_why(tiny_wan_dir):
+    from metainfer_gen.pipelines.acceleration import CPU_BF16_MIN_WIDTH
+
+    pipe = _pipe(tiny_wan_dir)
+    config = pipe.diffusers_pipeline.transformer.config
+    assert config.num_attention_heads * config.attention_head_dim < CPU_BF16_MIN_WIDTH
+    with override_capabilities(Capabilities(device_kind=DeviceKind.CPU, bf16=True)):
+        report = pipe.enable_acceleration("fastest")
+    _check_report_matches_the_pipeline(pipe, report)
+    assert "does not pay on the CPU" in report.refused["bf16_transformer"]
+    assert _dtypes(pipe.diffusers_pipeline.transformer) == {torch.float32}
+
+
+def test_bf16_keeps_the_modules_diffusers_keeps_in_float32(tiny_wan_dir, monkeypatch):
+    from metainfer_gen.pipelines import acceleration
+
+    monkeypatch.setattr(acceleration, "CPU_BF16_MIN_WIDTH", 0)
     pipe = _pipe(tiny_wan_dir)
     with override_capabilities(Capabilities(device_kind=DeviceKind.CPU, bf16=True)):
         report = pipe.enable_acceleration("fastest")
     transformer = pipe.diffusers_pipeline.transformer
-    if report.is_on("bf16_transformer"):
-        assert transformer.blocks[0].ffn.net[0].proj.weight.dtype == torch.bfloat16
-        assert transformer.scale_shift_table.dtype == torch.float32  # in Wan's _keep_in_fp32_modules
+    assert report.is_on("bf16_transformer")
+    assert transformer.blocks[0].ffn.net[0].proj.weight.dtype == torch.bfloat16
+    assert transformer.scale_shift_table.dtype == torch.float32  # in Wan's _keep_in_fp32_modules
     assert pipe(PROMPT, seed=0, **CALL).frames.dtype == np.uint8
 
 
