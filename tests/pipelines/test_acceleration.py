@@ -165,11 +165,17 @@ def test_forced_regional_compilation_compiles_each_block_and_keeps_the_clip(tiny
     assert np.abs(frames.astype(int) - reference.astype(int)).max() <= 2  # uint8 levels: fp32 reordering
 
 
-def test_small_hidden_states_on_the_cpu_fuse_only_the_ops_outside_the_blocks(tiny_wan_dir):
+def test_small_hidden_states_on_the_cpu_fuse_only_the_ops_outside_the_blocks(tiny_wan_dir, monkeypatch):
+    from metainfer_gen.kernels import common
     from metainfer_gen.video.fuse.core import FUSE_HOOK, _hooks
 
+    large = _pipe(tiny_wan_dir)  # no settings file: diffusers' default size, hidden states above the threshold
+    assert large.enable_acceleration("balanced").enabled["fused_kernels"] == "all ops"
+    monkeypatch.setattr(common, "COMPILED_MIN_NUMEL", 1 << 40)
     pipe = _pipe(tiny_wan_dir)
     report = pipe.enable_acceleration("balanced")
     assert report.enabled["fused_kernels"].startswith("outside the blocks (in-block ops would run their eager")
     fused = {type(m).__name__ for m in pipe.diffusers_pipeline.transformer.modules() if FUSE_HOOK in _hooks(m)}
     assert fused and not fused & {"WanTransformerBlock", "WanAttention"}
+    first, second = (pipe(PROMPT, seed=2, **CALL).frames for _ in range(2))
+    np.testing.assert_array_equal(first, second)
