@@ -108,9 +108,8 @@ def _mass_above(probs: torch.Tensor, pivot: torch.Tensor, scratch: list) -> tupl
     """``(mass, above)``: mass (n,) float64, per row the sum of the probabilities strictly above ``pivot`` (n, 1);
     above (n, V) those probabilities with every other one 0, or None. Only the blocks whose maximum exceeds the
     pivot are summed when they are few (a peaked distribution; above is None), else every token is, in float
-    passes over a reused buffer (``scratch`` slot 1, overwritten by the next call): ``p * sign(max(p - pivot, 0))``
-    is exactly ``p`` above the pivot and 0 elsewhere (IEEE subtraction of two different floats is never 0), and
-    3-4x a bool mask (a CPU comparison into bool ran at a quarter of a float pass) on flat logits."""
+    passes over a reused buffer (``scratch`` slot 1, overwritten by the next call): ``p * (p > pivot)`` with the
+    comparison written as 1.0 / 0.0 floats (:func:`_above`) is exactly ``p`` above the pivot and 0 elsewhere."""
     n = probs.shape[0]
     blocks = probs.view(n, -1, BLOCK)
     hot = blocks.amax(-1) > pivot
@@ -124,8 +123,10 @@ def _mass_above(probs: torch.Tensor, pivot: torch.Tensor, scratch: list) -> tupl
 
 
 def _above(probs: torch.Tensor, pivot: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out`` = 1.0 where ``probs`` (n, V) exceeds ``pivot`` (n, 1), else 0.0: ``sign(max(p - pivot, 0))``."""
-    return torch.sub(probs, pivot, out=out).clamp_(min=0).sign_()
+    """``out`` (float) = 1.0 where ``probs`` (n, V) exceeds ``pivot`` (n, 1), else 0.0: the comparison written
+    straight into the float buffer, one pass (a bool result, then a cast or ``where``, cost 3-4x; the earlier
+    ``sign(max(p - pivot, 0))`` three passes: 7.4 against 5.5 ms with the product and sum at 64 x 129,280)."""
+    return torch.gt(probs, pivot, out=out)
 
 
 def _full_probs(logits: torch.Tensor, inv_t: torch.Tensor, threshold: torch.Tensor | None,
