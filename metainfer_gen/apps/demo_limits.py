@@ -122,7 +122,7 @@ def _whole(name: str, value: object) -> int:
         raise InputError(f"{name} must be a whole number; got {value!r}")
     if isinstance(value, int):
         return value
-    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+    if isinstance(value, str) and value.strip().lstrip("+-").isdecimal():  # what int() reads: no float rounding
         return int(value)
     try:
         number = float(value)  # type: ignore[arg-type]
