@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from metainfer_gen.video.mp4 import ClipWriteError
+
 VIDEO_SUFFIXES = (".mp4", ".gif")
 
 
@@ -126,12 +128,6 @@ def save_video(frames: np.ndarray, path: str | os.PathLike, fps: float = 8.0) ->
         if os.path.exists(tmp_name):
             os.unlink(tmp_name)
     return path
-
-
-class ClipWriteError(OSError):
-    """A clip was not written whole: libav failed to write it, or it does not read back whole (ffmpeg's
-    subprocess writer reports a full disk or a failed close on its log only, so a truncated MP4 would otherwise
-    pass for a finished one)."""
 
 
 def check_written(path: str | os.PathLike, num_frames: int) -> None:

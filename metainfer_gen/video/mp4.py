@@ -33,6 +33,12 @@ _CB_COEFFS = (-9714, -19071, 28785)
 _CR_COEFFS = (28785, -24104, -4681)
 
 
+class ClipWriteError(OSError):
+    """A clip was not written whole: libav failed to write it, or it does not read back whole (ffmpeg's
+    subprocess writer reports a full disk or a failed close on its log only, so a truncated MP4 would otherwise
+    pass for a finished one)."""
+
+
 def have_pyav() -> bool:
     """Whether ``av`` (PyAV, the ``mp4`` extra) imports, so MP4s are written and checked in process."""
     try:
@@ -101,8 +107,6 @@ def write_mp4(frames: np.ndarray, path: str, fps: float) -> None:
         return
     import av
 
-    from metainfer_gen.video.export import ClipWriteError
-
     try:
         _encode_pyav(av, frames, path, Fraction(fps).limit_denominator(1001))
     except av.error.OSError as exc:
@@ -153,9 +157,10 @@ def count_mp4_frames(path: str | os.PathLike) -> int:
         ``ClipWriteError``).
     """
     if not have_pyav():
-        from metainfer_gen.video.export import read_video
+        import imageio.v2 as imageio
 
-        return len(read_video(path))
+        with imageio.get_reader(path, format="FFMPEG") as reader:
+            return sum(1 for _ in reader)
     import av
 
     with av.open(str(path)) as container:
