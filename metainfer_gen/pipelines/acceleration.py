@@ -205,14 +205,13 @@ class AccelerationMixin:
         spatial = getattr(pipe, "vae_scale_factor_spatial", 8)
         numel = []
         for module in self.transformers:
-            config = getattr(module, "config", None)
-            patch = getattr(config, "patch_size", None) or (1, 1, 1)
-            heads, size = getattr(config, "num_attention_heads", None), getattr(config, "attention_head_dim", None)
-            if not isinstance(heads, int) or not isinstance(size, int):
+            width = _width(module)
+            if width is None:
                 return None
+            patch = getattr(getattr(module, "config", None), "patch_size", None) or (1, 1, 1)
             tokens = (frames // patch[0]) * (self.default("height") // spatial // patch[1]) * (
                 self.default("width") // spatial // patch[2])
-            numel.append(tokens * heads * size)
+            numel.append(tokens * width)
         if not numel or max(numel) >= COMPILED_MIN_NUMEL:
             return None
         return (f"in-block ops would run their eager reference on the CPU at {max(numel)} elements per hidden state, "
@@ -261,12 +260,15 @@ class AccelerationMixin:
 def _narrow(transformers) -> int | None:
     """The width (heads x head size) of the narrowest transformer when it is below :data:`CPU_BF16_MIN_WIDTH`;
     None when all are as wide or a width cannot be read from the config (then the quality check alone decides)."""
-    widths = []
-    for module in transformers:
-        config = getattr(module, "config", None)
-        heads, size = getattr(config, "num_attention_heads", None), getattr(config, "attention_head_dim", None)
-        if not isinstance(heads, int) or not isinstance(size, int):
-            return None
-        widths.append(heads * size)
+    widths = [_width(module) for module in transformers]
+    if None in widths:
+        return None
     narrowest = min(widths, default=None)
     return narrowest if narrowest is not None and narrowest < CPU_BF16_MIN_WIDTH else None
+
+
+def _width(transformer) -> int | None:
+    """Attention heads x head size from a diffusers transformer's config, or None where the config lacks them."""
+    config = getattr(transformer, "config", None)
+    heads, size = getattr(config, "num_attention_heads", None), getattr(config, "attention_head_dim", None)
+    return heads * size if isinstance(heads, int) and isinstance(size, int) else None

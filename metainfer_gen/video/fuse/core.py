@@ -23,7 +23,7 @@ Example:
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 __all__ = ["FUSE_HOOK", "FuseKernelsConfig", "FuseReport", "fuse_kernels", "is_fused", "register_fuser",
@@ -65,7 +65,7 @@ class FuseKernelsConfig:
     strict: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("adaln", "qk_norm", "rope", "conv3d", "channel_norm", "upsample", "timestep_embedding", "rope_table"):
+        for name in (f.name for f in fields(self) if f.name != "strict"):  # every switch
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"FuseKernelsConfig.{name} must be a bool; got {getattr(self, name)!r}")
         if self.strict is not None and not isinstance(self.strict, bool):
