@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 # Ours, each acceleration added in turn (cumulative), then each preset. Names are the --rows keys.
-STEPS = ("ours", "+fused", "+memo", "+prompt_cache", "+bf16_vae", "+cache_auto", "+step_lora")
+STEPS = ("ours", "+fused", "+memo", "+prompt_cache", "+bf16_vae", "+cfg_batch", "+cache_auto", "+step_lora")
 PRESET_ROWS = ("preset_quality", "preset_balanced", "preset_fastest")
 ROWS = ("diffusers", *STEPS, *PRESET_ROWS)
 BASELINE = "diffusers"
@@ -55,6 +55,8 @@ def _ours(model: str | None, task: str, row: str):
             apply_prompt_cache(pipe.diffusers_pipeline)
         elif step == "+bf16_vae":
             notes.append(_bf16_vae(pipe))
+        elif step == "+cfg_batch":
+            pipe.enable_cfg_batch()
         elif step == "+cache_auto":
             pipe.enable_step_cache("auto")
         elif step == "+step_lora":

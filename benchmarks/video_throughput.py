@@ -7,8 +7,9 @@
 Text-to-video and image-to-video on the embedded model at its own settings (its default steps and guidance, 17
 frames 64x64), held-out demo prompts (never trained on), seed = prompt index. Rows (``video_rows.ROWS``): plain
 diffusers (``WanPipeline`` / ``WanImageToVideoPipeline`` on the same weights, float32); ours with nothing enabled;
-each acceleration added in turn (fused kernels, embed memo, prompt-embedding cache, bf16 VAE, step cache ``auto``,
-the step LoRA fused at its 4 unguided steps); then each preset (``enable_acceleration``). Rows run interleaved:
+each acceleration added in turn (fused kernels, embed memo, prompt-embedding cache, bf16 VAE, CFG batching, step
+cache ``auto``, the step LoRA fused at its 4 unguided steps); then each preset (``enable_acceleration``). Rows run
+interleaved:
 for each prompt every row renders in turn (``--repeats`` rounds, the fastest counting), after one untimed warm-up
 call per row. A clip's seconds are the pipeline call plus its MP4 export (``VideoOutput.save``'s writer, the same on
 every row); clips per hour = 3600 / that. PSNR (mean, worst clip) against plain diffusers' clip of the same prompt

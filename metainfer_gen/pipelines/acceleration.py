@@ -249,12 +249,26 @@ class AccelerationMixin:
         else:
             cache = get_prompt_cache(self.diffusers_pipeline) or apply_prompt_cache(self.diffusers_pipeline)
             report.on("prompt_cache", f"LRU of {cache.max_entries} prompts, across calls")
+        self._accelerate_cfg_batch(report)
         if self.step_cache is not None:
             report.on("step_cache", f"{self.step_cache.name} (enabled before the preset; kept)")
         else:
             self.enable_step_cache(preset.step_cache)
             report.on("step_cache", f"{preset.step_cache} (stands aside where too few steps are run; "
                                     "out.stats.cache says per call)")
+
+
+    def _accelerate_cfg_batch(self, report) -> None:
+        from metainfer_gen.video.cfg_parallel import PAIRED_CALL_PIPELINES
+
+        name = type(self.diffusers_pipeline).__name__
+        if self.cfg_parallel is not None:
+            report.refuse("cfg_batch", "CFG-parallel is on: each rank computes one branch")
+        elif name not in PAIRED_CALL_PIPELINES:
+            report.refuse("cfg_batch", f"{name} is not known to call the transformer once per CFG branch")
+        else:
+            self.enable_cfg_batch()
+            report.on("cfg_batch", "cond and uncond in one forward per guided step (equal within GEMM rounding)")
 
 
 def _narrow(transformers) -> int | None:

@@ -12,6 +12,7 @@ class ParallelMixin:
     ``diffusers_pipeline``; sets ``cfg_parallel`` and ``context_parallel``)."""
 
     cfg_parallel = None  # the video.cfg_parallel.CfgParallelConfig when enabled, or None
+    cfg_batch = False  # both CFG branches in one forward per step (video.cfg_batch), where CFG-parallel is off
     context_parallel = None  # the video.context_parallel.ContextParallelConfig when enabled, or None
 
     def enable_cfg_parallel(self, config: Any = None) -> None:
@@ -43,6 +44,17 @@ class ParallelMixin:
             raise TypeError(f"config must be a CfgParallelConfig; got {type(config).__name__}")
         connect_cfg_group(config)
         self.cfg_parallel = config
+
+    def enable_cfg_batch(self) -> None:
+        """Run the conditional and unconditional transformer passes of each step as one forward of twice the
+        batch (one process; a rank with CFG-parallel on keeps that instead). Guided calls on the Wan pipelines
+        batch; ``out.stats.extra["cfg_batch"]`` and the audit (op ``cfg_batch``) say which path ran and why. The
+        clip equals the unbatched one within GEMM rounding. See :mod:`metainfer_gen.video.cfg_batch`."""
+        self.cfg_batch = True
+
+    def disable_cfg_batch(self) -> None:
+        """Two transformer calls per guided step again."""
+        self.cfg_batch = False
 
     def disable_cfg_parallel(self) -> None:
         """Compute both CFG branches on every rank again (collectives stay initialised)."""
@@ -113,6 +125,12 @@ class ParallelMixin:
             seed = agree_on_call(group_handle(self.cfg_parallel.group), fingerprint, seed, generator is not None,
                                  "CFG-parallel", drawn=not given)
             sessions.append(("cfg_parallel", cfg_parallel_hooks(self.transformers, record, self.cfg_parallel, site)))
+        elif self.cfg_batch:  # registered last: outside every cache and CP hook, like CFG-parallel's
+            from metainfer_gen.video.cfg_batch import cfg_batch_hooks, plan_cfg_batch
+
+            record = plan_cfg_batch(self.diffusers_pipeline, call_kwargs.get("guidance_scale"),
+                                    self.context_parallel is not None)
+            sessions.append(("cfg_batch", cfg_batch_hooks(self.transformers, record, site)))
 
         @contextmanager
         def session() -> Iterator[dict[str, Any]]:
@@ -127,5 +145,8 @@ class ParallelMixin:
         cfg = records.get("cfg_parallel")
         if cfg is not None:
             stats.transformer_calls -= cfg.num_skipped_calls
+        batch = records.get("cfg_batch")
+        if batch is not None:  # each batched step's first call returned at once
+            stats.transformer_calls -= batch.num_batched_steps
         for name, record in records.items():
             stats.extra[name] = record.to_dict()

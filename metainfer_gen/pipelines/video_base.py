@@ -89,6 +89,7 @@ class VideoPipelineBase(DiffusersCompatMixin, VideoCallMixin, AccelerationMixin,
         new = cls(pipe, settings=other.settings, source=other.source)
         new.step_cache = other.step_cache  # same transformer objects: the hooks are already on them
         new.cfg_parallel, new.context_parallel = other.cfg_parallel, other.context_parallel
+        new.cfg_batch = other.cfg_batch
         new._loras = other._loras  # and the same adapters
         new.acceleration = other.acceleration  # the preset's weights and hooks are on the shared modules
         if pipe is not other.diffusers_pipeline:

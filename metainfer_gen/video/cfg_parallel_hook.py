@@ -34,6 +34,25 @@ def _sample(output: Any) -> torch.Tensor:
     return output.sample if hasattr(output, "sample") else output[0]
 
 
+def transformer_io(module) -> tuple[BlockIO, bool]:
+    """(argument reader of ``module``'s forward, its ``return_dict`` default): for hooks that pair whole calls."""
+    signature = inspect.signature(type(unwrap_module(module)).forward).parameters
+    return_dict_default = True
+    if "return_dict" in signature and signature["return_dict"].default is not inspect.Parameter.empty:
+        return_dict_default = signature["return_dict"].default
+    return BlockIO(tuple(signature)[1:], None, None), return_dict_default
+
+
+def wrap_sample(sample: torch.Tensor, io: BlockIO, return_dict_default: bool, args: tuple, kwargs: dict):
+    """``sample`` in the form the call asked for: a tuple with ``return_dict=False``, else diffusers' output."""
+    return_dict = io.argument("return_dict", args, kwargs)
+    if not (return_dict_default if return_dict is None else return_dict):
+        return (sample,)
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+    return Transformer2DModelOutput(sample=sample)
+
+
 class CfgParallelHook(ModelHook):
     """On a transformer, for one pipeline call: computes this rank's call of each pair and exchanges predictions.
 
@@ -55,10 +74,7 @@ class CfgParallelHook(ModelHook):
         self.return_dict_default = True
 
     def initialize_hook(self, module):
-        signature = inspect.signature(type(unwrap_module(module)).forward).parameters
-        self.io = BlockIO(tuple(signature)[1:], None, None)
-        if "return_dict" in signature and signature["return_dict"].default is not inspect.Parameter.empty:
-            self.return_dict_default = signature["return_dict"].default
+        self.io, self.return_dict_default = transformer_io(module)
         return module
 
     def new_forward(self, module, *args, **kwargs):
@@ -111,9 +127,4 @@ class CfgParallelHook(ModelHook):
         return both[0], both[1]
 
     def _wrap(self, sample: torch.Tensor, args: tuple, kwargs: dict):
-        return_dict = self.io.argument("return_dict", args, kwargs)
-        if not (self.return_dict_default if return_dict is None else return_dict):
-            return (sample,)
-        from diffusers.models.modeling_outputs import Transformer2DModelOutput
-
-        return Transformer2DModelOutput(sample=sample)
+        return wrap_sample(sample, self.io, self.return_dict_default, args, kwargs)

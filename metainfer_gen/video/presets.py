@@ -12,7 +12,7 @@ device work, so it is tested on its own.
 | ``fastest`` | ``fast`` | VAE and transformer, each where its check passes (and, on the CPU, the transformer where it pays) | the model's, fused | clips per hour |
 
 Every preset also turns on the lossless helpers (the fused kernels, the condition-embedder memo, the prompt-
-embedding cache) and regional compilation of the transformer blocks where it pays (a GPU; on the CPU it is refused
+embedding cache, both CFG branches in one batch) and regional compilation of the transformer blocks where it pays (a GPU; on the CPU it is refused
 with the measurement). The features stay usable one by one (``enable_step_cache``, ``enable_fused_kernels``...).
 """
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FEATURES = ("step_lora", "bf16_transformer", "bf16_vae", "fused_kernels", "compile_blocks", "embed_memo",
-            "prompt_cache", "step_cache")  # the order they are applied in (weights first, hooks outermost last)
+            "prompt_cache", "cfg_batch", "step_cache")  # the order they are applied in (weights first, hooks outermost last)
 
 
 @dataclass(frozen=True, slots=True)

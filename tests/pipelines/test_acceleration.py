@@ -37,6 +37,7 @@ def _check_report_matches_the_pipeline(pipe, report) -> None:
     d = pipe.diffusers_pipeline
     state = {"fused_kernels": is_fused(d.transformer), "embed_memo": pipe.embed_memo_enabled,
              "prompt_cache": get_prompt_cache(d) is not None, "step_cache": pipe.step_cache is not None,
+             "cfg_batch": pipe.cfg_batch,
              "bf16_vae": torch.bfloat16 in _dtypes(d.vae), "bf16_transformer": torch.bfloat16 in _dtypes(d.transformer),
              "step_lora": bool(report.call_defaults) and not pipe.list_loras(), "compile_blocks": any(
                  getattr(b, "_compiled_call_impl", None) is not None for b in d.transformer.blocks)}
