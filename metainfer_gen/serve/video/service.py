@@ -222,8 +222,8 @@ class VideoService:
                 self.checks.rules = VideoRules(**found)
         if not self._reported_defaults:  # the call defaults a worker read from the loaded pipeline
             reported = self.store.get_meta("defaults")
-            if reported is not None:
-                self.checks.defaults = {**reported, **self.checks.defaults}
+            if reported is not None:  # they win: a preset's (a fused step LoRA's steps and guidance) are in them
+                self.checks.defaults = {**self.checks.defaults, **reported}
                 self._reported_defaults = True
                 self.checks.loading = False
         return self.checks.rules
