@@ -126,10 +126,13 @@ class ParallelMixin:
                                  "CFG-parallel", drawn=not given)
             sessions.append(("cfg_parallel", cfg_parallel_hooks(self.transformers, record, self.cfg_parallel, site)))
         elif self.cfg_batch:  # registered last: outside every cache and CP hook, like CFG-parallel's
+            from metainfer_gen.video.cache.policy import StepCachePolicy
             from metainfer_gen.video.cfg_batch import cfg_batch_hooks, plan_cfg_batch
 
+            cache = self.step_cache
+            baseline = None if cache is None or isinstance(cache, StepCachePolicy) else cache.name
             record = plan_cfg_batch(self.diffusers_pipeline, call_kwargs.get("guidance_scale"),
-                                    self.context_parallel is not None)
+                                    self.context_parallel is not None, baseline)
             sessions.append(("cfg_batch", cfg_batch_hooks(self.transformers, record, site)))
 
         @contextmanager

@@ -17,8 +17,9 @@ Why. A forward of the embedded model is mostly fixed per-op cost on the CPU (GEM
 branches in one batch took 47 ms against 54 ms for two calls (AMD EPYC Zen 4, AVX512-BF16, 2 threads). Batched
 GEMM rows round differently, so the clip is equal to the unbatched one within GEMM rounding, not bit for bit.
 
-A step cache inside sees one call per step with both branches in its batch (the second call's cache context), so
-both branches are computed or reused together. Every pair is checked: the two calls must share the latents' shape
+Our step cache inside sees one call per step with both branches in its batch (the second call's cache context), so
+both branches are computed or reused together. The public baseline caches (diffusers', cache-dit's) keep a state
+per call of the pair, so a call with one of them runs its two calls as before (the record says why). Every pair is checked: the two calls must share the latents' shape
 and the timestep, or the call raises instead of mixing steps; arguments that differ in any other way than a
 tensor of the batch's leading size run the two calls one by one (``num_unpaired``).
 """
@@ -62,13 +63,15 @@ class CfgBatchRecord:
         return asdict(self)
 
 
-def plan_cfg_batch(pipeline: Any, guidance_scale: float | None, context_parallel: bool = False) -> CfgBatchRecord:
+def plan_cfg_batch(pipeline: Any, guidance_scale: float | None, context_parallel: bool = False,
+                   baseline_cache: str | None = None) -> CfgBatchRecord:
     """Decide whether the coming call batches its CFG branches, and why (no device work).
 
     Args:
         pipeline: the diffusers pipeline about to be called. guidance_scale: the call's guidance weight (the Wan
             pipelines run the unconditional pass when it is > 1). context_parallel: the call splits its tokens over
-            ranks (batching is not combined with it).
+            ranks (batching is not combined with it). baseline_cache: the name of a public baseline step cache on
+            the transformer (diffusers' or cache-dit's), which keeps a state per call of the pair: not batched.
     """
     if guidance_scale is None or guidance_scale <= 1:
         return CfgBatchRecord(SINGLE_BRANCH, f"guidance_scale={guidance_scale} <= 1: one transformer pass per step")
@@ -78,6 +81,9 @@ def plan_cfg_batch(pipeline: Any, guidance_scale: float | None, context_parallel
                                           f"(supported: {', '.join(sorted(PAIRED_CALL_PIPELINES))})")
     if context_parallel:
         return CfgBatchRecord(SEQUENTIAL, "context parallelism is on: its hooks split one branch's tokens")
+    if baseline_cache is not None:
+        return CfgBatchRecord(SEQUENTIAL, f"the {baseline_cache} baseline cache keeps its state per call of the "
+                                          "(cond, uncond) pair; ours decides batched branches together")
     return CfgBatchRecord(BATCHED, f"guidance_scale={guidance_scale} > 1: cond and uncond in one forward per step")
 
 

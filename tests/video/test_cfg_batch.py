@@ -123,6 +123,15 @@ def test_a_pipeline_that_breaks_the_pairing_fails_loudly():
     assert HookRegistry.check_if_exists_or_initialize(model).get_hook(CFG_BATCH_HOOK) is None  # removed on failure
 
 
+def test_a_baseline_cache_keeps_its_two_calls_per_step(fresh_t2v):
+    fresh_t2v.enable_cfg_batch()
+    fresh_t2v.enable_step_cache("fbcache")
+    out = _render(fresh_t2v, T2V_CALL)
+    record = out.stats.extra["cfg_batch"]
+    assert record["path"] == "sequential" and "the fbcache=0.05 baseline cache" in record["reason"]
+    assert out.stats.transformer_calls == 2 * STEPS
+
+
 def test_the_plan_says_why_it_does_not_batch():
     assert plan_cfg_batch(_Pipe(), None).path == "single_branch"
     assert plan_cfg_batch(_Pipe(), 4.0, context_parallel=True).path == "sequential"
