@@ -118,7 +118,7 @@ class CfgBatchHook(ModelHook):
         first_args, first_kwargs, placeholder = self.pending
         self.pending = None
         self._check_pair(first_args, first_kwargs, hidden, args, kwargs)
-        joined = _join(self.io.parameters, (first_args, first_kwargs), (args, kwargs), hidden.shape[0])
+        joined = _join((first_args, first_kwargs), (args, kwargs), hidden.shape[0])
         forward = self.fn_ref.original_forward
         if joined is None:
             self.record.num_unpaired += 1
@@ -147,23 +147,17 @@ class CfgBatchHook(ModelHook):
                                "timestep; disable_cfg_batch()")
 
 
-def _join(parameters: tuple, first: tuple[tuple, dict], second: tuple[tuple, dict], batch: int):
+def _join(first: tuple[tuple, dict], second: tuple[tuple, dict], batch: int):
     """(args, kwargs) of one forward over both calls: tensors of leading size ``batch`` concatenated along it,
     everything else equal in both and passed once; None when the calls differ otherwise."""
     (args_a, kwargs_a), (args_b, kwargs_b) = first, second
     if len(args_a) != len(args_b) or kwargs_a.keys() != kwargs_b.keys():
         return None
-    joined_args, joined_kwargs = [], {}
-    for a, b, out, key in [(a, b, joined_args, None) for a, b in zip(args_a, args_b)] + \
-            [(kwargs_a[k], kwargs_b[k], joined_kwargs, k) for k in kwargs_a]:
-        value = _join_value(a, b, batch)
-        if value is _DIFFERENT:
-            return None
-        if key is None:
-            out.append(value)
-        else:
-            out[key] = value
-    return tuple(joined_args), joined_kwargs
+    args = tuple(_join_value(a, b, batch) for a, b in zip(args_a, args_b))
+    kwargs = {key: _join_value(kwargs_a[key], kwargs_b[key], batch) for key in kwargs_a}
+    if any(value is _DIFFERENT for value in (*args, *kwargs.values())):
+        return None
+    return args, kwargs
 
 
 _DIFFERENT = object()
