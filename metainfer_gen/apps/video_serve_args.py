@@ -73,13 +73,16 @@ def video_serve_config(args: argparse.Namespace):
     """The ``VideoServeConfig`` of the parsed flags, or None for ``--video none``.
 
     Raises:
-        FileNotFoundError: a ``--lora-dir`` that is not a folder.
+        FileNotFoundError: a ``--video`` that is neither a pipeline folder nor a hub id, or a ``--lora-dir``
+            that is not a folder.
     """
-    from metainfer_gen.pipelines.loading import default_lora_dir
+    from metainfer_gen.pipelines.loading import default_lora_dir, resolve_model_source
     from metainfer_gen.serve.video.service import VideoServeConfig
 
     if args.video == NONE:
         return None
+    if args.video is not None:
+        resolve_model_source(args.video)  # a missing folder or a bare name fails here, not in every worker
     lora_dir = args.lora_dir if args.lora_dir is not None else (default_lora_dir() if args.video is None else None)
     if lora_dir is not None and not Path(lora_dir).is_dir():
         raise FileNotFoundError(f"--lora-dir {lora_dir} is not a folder")

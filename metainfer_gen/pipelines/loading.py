@@ -101,6 +101,30 @@ def for_task(pipe, task: str):
     )
 
 
+def resolve_model_source(path: str | Path | None) -> str | Path:
+    """The model to load: the embedded default for None, a local pipeline folder as a Path, or a hub id
+    (``org/name``, exactly one slash, as the LLM loader reads them) as given. Checks nothing on the network, so
+    ``serve`` and ``render`` call it before any model loads.
+
+    Raises:
+        FileNotFoundError: a folder without ``model_index.json``, or a source that is neither an existing folder
+            nor a hub id (``./x``, ``/x``, a bare name such as ``default``), with what to pass instead.
+    """
+    source = default_model_path() if path is None else path
+    local = Path(source).expanduser()
+    if local.exists():
+        if not (local / "model_index.json").exists():
+            raise FileNotFoundError(f"{local} holds no model_index.json: it is not a diffusers pipeline folder")
+        return local
+    if looks_like_path(source):
+        raise FileNotFoundError(f"model path {source} does not exist")
+    if str(source).count("/") != 1:
+        raise FileNotFoundError(f"model {str(source)!r} is neither an existing pipeline folder nor a hub id "
+                                f"(org/name): pass a folder saved by save_pretrained, or leave the model out for "
+                                f"the embedded default")
+    return source
+
+
 def load_diffusers_pipeline(path: str | Path | None, task: str, torch_dtype=None, device: str | None = None,
                             vae_dtype=None, **kwargs):
     """Load and place a pipeline for ``task``.
@@ -119,7 +143,7 @@ def load_diffusers_pipeline(path: str | Path | None, task: str, torch_dtype=None
     Returns:
         (diffusers pipeline, resolved local path or hub id, settings dict).
     Raises:
-        FileNotFoundError: ``path`` is a missing local path. ValueError: the checkpoint cannot do ``task``.
+        FileNotFoundError: see :func:`resolve_model_source`. ValueError: the checkpoint cannot do ``task``.
     """
     import torch
     from diffusers import DiffusionPipeline
@@ -129,14 +153,7 @@ def load_diffusers_pipeline(path: str | Path | None, task: str, torch_dtype=None
     if vae_dtype is not None:
         torch_dtype = {**(torch_dtype if isinstance(torch_dtype, dict) else {"default": torch_dtype}),
                        "vae": vae_dtype}
-    source = default_model_path() if path is None else path
-    local = Path(source).expanduser()
-    if local.exists():
-        if not (local / "model_index.json").exists():
-            raise FileNotFoundError(f"{local} holds no model_index.json: it is not a diffusers pipeline folder")
-        source = local
-    elif looks_like_path(source):
-        raise FileNotFoundError(f"model path {source} does not exist")
+    source = resolve_model_source(path)
     pipe = DiffusionPipeline.from_pretrained(str(source), dtype=torch_dtype, **kwargs)
     pipe = for_task(pipe, task)
     pipe.to(device)

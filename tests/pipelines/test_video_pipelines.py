@@ -446,3 +446,11 @@ def test_missing_local_paths_raise_file_not_found(path):
 
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_diffusers_pipeline(path, TEXT_TO_VIDEO, device="cpu")
+
+
+@pytest.mark.parametrize("name", ["default", "a/b/c"])
+def test_a_bare_name_is_neither_a_folder_nor_a_hub_id(name):
+    from metainfer_gen.pipelines.loading import TEXT_TO_VIDEO, load_diffusers_pipeline
+
+    with pytest.raises(FileNotFoundError, match="neither an existing pipeline folder nor a hub id"):
+        load_diffusers_pipeline(name, TEXT_TO_VIDEO, device="cpu")

@@ -90,7 +90,9 @@ def test_kill_9_while_a_job_runs_then_restart(tiny_wan_dir, tmp_path):
 
 
 @pytest.mark.parametrize("flags, words", [(["--llm", "none", "--video", "none"], "nothing to serve"),
-                                          (["--lora-dir", "/no/such/folder"], "is not a folder")])
+                                          (["--lora-dir", "/no/such/folder"], "is not a folder"),
+                                          (["--video", "default"], "neither an existing pipeline folder nor a hub"),
+                                          (["--video", "/no/such/pipeline"], "does not exist")])
 def test_serve_refuses_bad_video_flags_before_loading(flags, words, capsys):
     from metainfer_gen.apps.cli import main
 
