@@ -40,36 +40,14 @@ def _slots(block_tables: torch.Tensor, block_size: int, first: int, last: int) -
     return (blocks[:, :, None] + offsets).flatten(1)
 
 
-_WORKSPACE: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # the CPU gather's reused destination
-
-
-def _gather_destination(like: torch.Tensor, rows: int, width: int) -> torch.Tensor | None:
-    """A (rows, width) view of a buffer kept per (dtype, device) and grown to the largest request, on the CPU
-    only (None elsewhere). A group's gather is tens of MiB: a fresh tensor each time is served by glibc from
-    fresh pages (a page fault per 4 KiB, every layer of every step); the reused buffer is written in place
-    (serve_llm's C=64 batch in bf16, 2 Zen 4 cores: +6% median total tokens/s, inside the noise between
-    processes). The caller drops the view before the next gather (one group's rows are alive at a time)."""
-    if like.device.type != "cpu" or like.dtype == torch.float8_e4m3fn:
-        return None
-    key, need = (like.dtype, like.device), rows * width
-    buffer = _WORKSPACE.get(key)
-    if buffer is None or buffer.numel() < need:
-        buffer = _WORKSPACE[key] = torch.empty(need, dtype=like.dtype, device=like.device)
-    return buffer[:need].view(rows, width)
-
-
 def _gather_blocks(kv_rows: torch.Tensor, table: torch.Tensor, block_size: int) -> torch.Tensor:
     """The rows of table's blocks (B, w) in order -> (B, w * block_size, row); -1 entries read block 0. One copy
     per whole block where the rows are the contiguous flat view of a paged cache (1.35x the row-by-row gather at
-    64 sequences x 20 blocks of 576-wide bf16 rows, one AVX512-BF16 thread), else per row. On the CPU the copy
-    lands in a reused workspace (:func:`_gather_destination`): the result is valid until the next gather."""
+    64 sequences x 20 blocks of 576-wide bf16 rows, one AVX512-BF16 thread), else per row."""
     batch, width = table.shape[0], kv_rows.shape[-1]
     if not kv_rows.is_contiguous() or kv_rows.shape[0] % block_size:
         return gather_rows(kv_rows, _slots(table, block_size, 0, table.shape[1]))
-    flat = kv_rows.view(-1, block_size * width)
-    index = table.clamp_min(0).reshape(-1)
-    out = _gather_destination(flat, index.numel(), flat.shape[1])
-    blocks = gather_rows(flat, index) if out is None else torch.index_select(flat, 0, index, out=out)
+    blocks = gather_rows(kv_rows.view(-1, block_size * width), table.clamp_min(0))
     return blocks.view(batch, table.shape[1] * block_size, width)
 
 
