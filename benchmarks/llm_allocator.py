@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_models import build_random_large, random_prompts  # noqa: E402
+from serve_loads import OfflineLoad  # noqa: E402
 from serve_procs import TCMALLOC, thread_env  # noqa: E402
 from table import print_table, run_footer, run_header  # noqa: E402
 
@@ -33,19 +34,11 @@ ROWS = ("system malloc", "tcmalloc (LD_PRELOAD)")
 
 def worker(path: Path, dtype: str, batches: int, threads: int) -> None:
     """One row's process: print one JSON line per batch (seconds, tokens read and produced)."""
-    import torch
-
-    from metainfer_gen.llm import EngineConfig, LLMEngine, SamplingParams
-
-    torch.set_num_threads(threads)
-    engine = LLMEngine.from_pretrained(path, EngineConfig(max_num_seqs=64, max_model_len=1040, dtype=dtype))
-    engine.warmup()
-    params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
-    engine.generate([[5, 6, 7, 8]] * 2, SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True))
+    offline = OfflineLoad(path, 64, 1040, threads, dtype)  # loaded and warmed up as serve_llm.py's offline row
     for seed in range(1, batches + 1):  # the same prompt sets in every process
         prompts = random_prompts(64, 4096, 64, 512, seed)
         start = time.perf_counter()
-        outputs = engine.generate(prompts, params)
+        outputs = offline.engine.generate(prompts, offline.params(32))
         seconds = time.perf_counter() - start
         print(json.dumps({"seconds": seconds, "tokens": sum(map(len, prompts)) + sum(len(o.token_ids)
                                                                                      for o in outputs)}), flush=True)

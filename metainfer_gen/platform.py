@@ -289,6 +289,12 @@ def native_dtype(device) -> "torch.dtype":  # noqa: F821
     return torch.bfloat16 if capabilities().cpu_matrix else torch.float32
 
 
+def is_hub_id(source) -> bool:
+    """True for a hub id as the loaders read one: not path-like (:func:`looks_like_path`) and exactly one slash
+    (``org/name``); a bare name such as ``default`` is not one."""
+    return not looks_like_path(source) and str(source).count("/") == 1
+
+
 def looks_like_path(source) -> bool:
     """True for a path-like model source ("./x", "/x", "~/x", "C:\\x"); "org/name" (dots allowed, e.g.
     "Wan-AI/Wan2.1-T2V-1.3B") is a hub id. Loaders refuse a missing path-like source instead of asking the hub."""

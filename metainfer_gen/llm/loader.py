@@ -37,10 +37,10 @@ def resolve_checkpoint(path_or_id: str | Path) -> Path:
     Raises:
         FileNotFoundError: a path-like string that does not exist, or a directory without config.json.
     """
-    from metainfer_gen.platform import looks_like_path
+    from metainfer_gen.platform import is_hub_id
 
     path = Path(path_or_id).expanduser()
-    if not path.exists() and not looks_like_path(path_or_id) and str(path_or_id).count("/") == 1:
+    if not path.exists() and is_hub_id(path_or_id):
         from huggingface_hub import snapshot_download
 
         path = Path(snapshot_download(str(path_or_id), allow_patterns=["*.json", "*.safetensors", "*.model",

@@ -13,7 +13,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from metainfer_gen.platform import default_device, default_dtype, looks_like_path
+from metainfer_gen.platform import default_device, default_dtype, is_hub_id, looks_like_path
 
 TEXT_TO_VIDEO = "text-to-video"
 IMAGE_TO_VIDEO = "image-to-video"
@@ -118,7 +118,7 @@ def resolve_model_source(path: str | Path | None) -> str | Path:
         return local
     if looks_like_path(source):
         raise FileNotFoundError(f"model path {source} does not exist")
-    if str(source).count("/") != 1:
+    if not is_hub_id(source):
         raise FileNotFoundError(f"model {str(source)!r} is neither an existing pipeline folder nor a hub id "
                                 f"(org/name): pass a folder saved by save_pretrained, or leave the model out for "
                                 f"the embedded default")
