@@ -1,4 +1,4 @@
-"""Our offline engine with the system allocator against tcmalloc preloaded: one process per row, rows interleaved.
+"""Our offline engine under each host allocator: glibc as it is, glibc tuned, tcmalloc; a process per row, interleaved.
 
     OMP_NUM_THREADS=2 python benchmarks/llm_allocator.py                  # bf16, 2 rounds of each row
     OMP_NUM_THREADS=2 python benchmarks/llm_allocator.py --dtype float32 --rounds 3
@@ -6,8 +6,10 @@
 Each row is a fresh process (``--worker``) that loads serve_llm.py's random-large DeepSeek-V3 (576-wide latent,
 saved once under ``--workdir``), warms up as the server does, then runs serve_llm.py's C=64 batch (64 random
 prompts of 64-512 tokens, 32 greedy tokens, ``ignore_eos``) ``--batches`` times with fresh prompts, timing each
-``LLMEngine.generate``. The allocator is the only difference: glibc's malloc, or Debian's tcmalloc
-(``libtcmalloc-minimal4``) through ``LD_PRELOAD``, the setting vLLM's CPU docs recommend for its own server. A
+``LLMEngine.generate``. The allocator is the only difference, each from ``metainfer_gen.host_allocator``'s
+``allocator_env`` (what the ``metainfer-gen`` command re-executes under): glibc's malloc as it is, glibc with
+``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_TOP_PAD_``, or Debian's tcmalloc (``libtcmalloc-minimal4``) through
+``LD_PRELOAD``, the setting vLLM's CPU docs recommend for its own server. A
 decode step allocates and frees tens of MiB of gathered cache rows per layer; glibc serves each from fresh
 pages (page faults), tcmalloc reuses them. Prints the batch seconds of every process in order, and per row the
 median total tokens/s over its processes' batches after the first, with the ratio to the system allocator's.
@@ -26,10 +28,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_models import build_random_large, random_prompts  # noqa: E402
 from serve_loads import OfflineLoad  # noqa: E402
-from serve_procs import TCMALLOC, thread_env  # noqa: E402
+from serve_procs import thread_env  # noqa: E402
+from metainfer_gen.host_allocator import ALLOCATOR_ENV, allocator_env, without_ours  # noqa: E402
 from table import print_table, run_footer, run_header  # noqa: E402
 
-ROWS = ("system malloc", "tcmalloc (LD_PRELOAD)")
+# row -> METAINFER_HOST_ALLOCATOR (metainfer_gen.host_allocator.allocator_env: the environment the CLI re-executes in)
+ROWS = {"system malloc": "system", "glibc tuned (MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_)": "glibc-tuned",
+        "tcmalloc (LD_PRELOAD)": "tcmalloc"}
 
 
 def worker(path: Path, dtype: str, batches: int, threads: int) -> None:
@@ -45,12 +50,10 @@ def worker(path: Path, dtype: str, batches: int, threads: int) -> None:
 
 
 def run_row(row: str, path: Path, args) -> list[dict]:
-    env = thread_env(args.threads)
+    env = without_ours(thread_env(args.threads))
     env.pop("LD_PRELOAD", None)
-    if row == ROWS[1]:
-        if not TCMALLOC.exists():
-            raise FileNotFoundError(f"{TCMALLOC} is missing: apt-get install libtcmalloc-minimal4")
-        env["LD_PRELOAD"] = str(TCMALLOC)
+    env[ALLOCATOR_ENV] = ROWS[row]
+    env = allocator_env(env) or env  # raises where tcmalloc is asked for and missing
     command = [sys.executable, __file__, "--worker", "--workdir", args.workdir, "--dtype", args.dtype,
                "--batches", str(args.batches), "--threads", str(args.threads)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout_s)

@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from metainfer_gen import host_allocator  # noqa: E402
 from serve_loads import (OFFLINE, OURS, VLLM, VLLM_OFFLINE, VLLM_PRELOAD, Measured, OfflineLoad,  # noqa: E402
                          ServerLoad, Workload, collect, failure, label, make_workload, measure_vllm_offline)
 from serve_models import build_random_large  # noqa: E402
@@ -173,6 +174,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if argv is None:  # our offline engine runs in this process: under the allocator our command gives our server
+        host_allocator.reexec()
     args = parse_args(argv)
     q = args.quick
     concurrencies = [int(c) for c in (args.concurrency or ("1,4" if q else "1,16,64")).split(",")]
@@ -207,7 +210,9 @@ def main(argv: list[str] | None = None) -> None:
           f"random-large {(8, 32) if q else (64, 512)}; {heavy}; max_num_seqs "
           f"{max([max(concurrencies)] + ([prefill[0]] if prefill else []))}, max_model_len {MAX_MODEL_LEN}, "
           f"block size: ours 16, vLLM {args.vllm_block_size or 'its choice (AMX_MLA: 128, CPU_MLA: 16)'}, vLLM "
-          f"attention backend: {args.vllm_attention_backend or 'its choice (AMX_MLA on an AMX CPU, else CPU_MLA)'}")
+          f"attention backend: {args.vllm_attention_backend or 'its choice (AMX_MLA on an AMX CPU, else CPU_MLA)'}; "
+          f"host allocator: ours (serve and offline) {host_allocator.current_allocator()}, vllm serve its default "
+          f"(glibc malloc), vllm +preload and vllm offline LD_PRELOAD tcmalloc + libiomp5")
     loads = [label(c) for c in concurrencies] + [label(rate=r) for r in rates]
     loads += sorted({g[3].prefill_label for g in groups if g[3].prefill})
     print()

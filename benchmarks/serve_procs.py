@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from metainfer_gen.host_allocator import without_ours
+
 REPO = Path(__file__).resolve().parents[1]
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")  # Debian's libtcmalloc-minimal4
 
@@ -38,7 +40,8 @@ def vllm_env(vllm_python: str, threads: int, preload: bool, kv_gib: int = 2) -> 
     Raises:
         FileNotFoundError: ``preload`` and tcmalloc or libiomp5.so is missing (with the install line).
     """
-    env = {**thread_env(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
+    env = {**without_ours(thread_env(threads)), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
     env.pop("LD_PRELOAD", None)
     if preload:
         iomp = sorted(Path(vllm_python).absolute().parents[1].glob("lib/libiomp5.so"))  # the venv, not its base

@@ -22,11 +22,14 @@ def run_header() -> str:
 
     import torch
 
+    from metainfer_gen.host_allocator import current_allocator
+
     threads = os.environ.get("OMP_NUM_THREADS")
     command = ("" if threads is None else f"OMP_NUM_THREADS={threads} ") + "python " + shlex.join(sys.argv)
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return "\n".join([f"command: {command}", f"machine: {machine()}",
                       f"threads: {torch.get_num_threads()} intra-op (OMP_NUM_THREADS={threads or 'unset'})",
+                      f"host allocator: {current_allocator()}",
                       f"date: {now}", f"load average before (1, 5, 15 min): {load_average()}"])
 
 

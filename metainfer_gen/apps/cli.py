@@ -277,7 +277,13 @@ def _check_device(device: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point; returns the process exit code."""
+    """Console entry point; returns the process exit code. Run as a command (``argv`` None), it first re-executes
+    itself once under the fast host allocator (:mod:`metainfer_gen.host_allocator`; ``METAINFER_HOST_ALLOCATOR=system``
+    keeps the environment as it is)."""
+    if argv is None:
+        from metainfer_gen import host_allocator
+
+        host_allocator.reexec()
     args = build_parser().parse_args(argv)
     try:
         _check_device(getattr(args, "device", None))

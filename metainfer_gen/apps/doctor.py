@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import os
 import platform as py_platform
 import sys
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ def collect(device: str | None = None, dtype: str | None = None) -> dict:
     """
     import torch
 
-    from metainfer_gen import __version__, platform
+    from metainfer_gen import __version__, host_allocator, platform
     from metainfer_gen.kernels.catalog import registered_ops
 
     caps = platform.capabilities()
@@ -93,6 +94,7 @@ def collect(device: str | None = None, dtype: str | None = None) -> dict:
             "cpu_matrix": caps.cpu_matrix,
             "cpu_threads": torch.get_num_threads(),
             "cxx_compiler": caps.cxx_compiler,
+            "host_allocator": host_allocator.current_allocator(),
             "notes": list(caps.notes),
         },
         "llm": {"default_dtype": str(llm_dtype).removeprefix("torch."), "matmul": matmul,
@@ -108,6 +110,15 @@ def collect(device: str | None = None, dtype: str | None = None) -> dict:
         "ops": [{"op": o.op, "description": o.description, "path": o.path, "fastest": o.fastest,
                  "refusals": [{"implementation": i, "reason": r} for i, r in o.refusals]} for o in ops],
     }
+
+
+def _allocator_hint(allocator: str) -> str:
+    if allocator == "tcmalloc" or "tuned" in allocator:
+        return ""
+    if os.environ.get("METAINFER_HOST_ALLOCATOR") == "system":
+        return " (METAINFER_HOST_ALLOCATOR=system)"
+    return (" (an eager CPU step runs 1.2-1.3x slower on it: the metainfer-gen command re-executes under tcmalloc or "
+            "tuned glibc, see metainfer_gen.host_allocator)")
 
 
 def render(report: dict, out: TextIO) -> None:
@@ -128,6 +139,7 @@ def render(report: dict, out: TextIO) -> None:
     w(f"  cpu              {m['cpu_capability']}, {m['cpu_threads']} torch threads, bf16 matrix unit: "
       f"{m['cpu_matrix'] or 'none'}\n")
     w(f"  c++ compiler     {m['cxx_compiler'] or 'none (torch.compile on CPU unavailable)'}\n")
+    w(f"  host allocator   {m['host_allocator']}{_allocator_hint(m['host_allocator'])}\n")
     for note in m["notes"]:
         w(f"  note             {note}\n")
     llm = report["llm"]
