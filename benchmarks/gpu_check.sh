@@ -25,13 +25,13 @@ if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   run doctor 60 "$PY" -m metainfer_gen.apps.cli doctor --strict
   run "every op + end to end (cuda)" 300 "$PY" benchmarks/gpu_check.py
-  run "kernel table (cuda)" 240 "$PY" benchmarks/kernels.py --device cuda --dtypes float32,bfloat16
+  run "kernel table (cuda)" 240 "$PY" benchmarks/kernel_table.py --device cuda --dtypes float32,bfloat16
   run "cuda test rows" 120 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -k cuda
 else
   echo "no CUDA device: CUDA rows skipped, CPU paths only"
   run doctor 60 "$PY" -m metainfer_gen.apps.cli doctor
   run "every op (cpu; cuda rows skipped)" 240 "$PY" benchmarks/gpu_check.py
-  run "kernel table (cpu, quick)" 300 "$PY" benchmarks/kernels.py --device cpu --quick
+  run "kernel table (cpu, quick)" 300 "$PY" benchmarks/kernel_table.py --device cpu --quick
   run "cuda test rows (skipped here)" 60 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -k cuda
 fi
 echo "gpu_check: $([ $status -eq 0 ] && echo PASS || echo FAIL)"

@@ -7,7 +7,7 @@ input the fourth size is the height, so small-batch video convolutions run ``slo
 instead. A causal video VAE decoding one latent frame at a time is exactly that case: Wan's ``WanCausalConv3d``
 on the embedded model's decoder (batch 1, 3x3x3 kernels, 32-64 channels, 3-6 frames of 18-66 px) spends 75% of its
 decode in ``slow_conv3d``; ``torch.mkldnn_convolution`` computes the same convolution 2.2x faster (one core;
-``benchmarks/kernels.py --ops conv3d``) and the whole decode 2.3x (one thread) to 2.7x (two) faster, equal to
+``benchmarks/kernel_table.py --ops conv3d``) and the whole decode 2.3x (one thread) to 2.7x (two) faster, equal to
 float32 rounding (max abs difference 3.6e-6 on the decoded clip in [-1, 1]).
 
 Implementations, fastest first: ``onednn`` (``torch.mkldnn_convolution``; CPU float32, oneDNN built in and

@@ -1,9 +1,9 @@
 """Kernel benchmark: torch's own ops vs our float32 reference vs the fused paths (torch.compile or oneDNN on the CPU,
 Triton on CUDA), with each path's error against a float64 reference, one table.
 
-    OMP_NUM_THREADS=1 python benchmarks/kernels.py     # this machine's device, float32 and bfloat16
-    python benchmarks/kernels.py --quick               # smaller shapes, fewer repeats (CI smoke run)
-    python benchmarks/kernels.py --model PATH          # plus the end-to-end row (seconds per denoising step)
+    OMP_NUM_THREADS=1 python benchmarks/kernel_table.py     # this machine's device, float32 and bfloat16
+    python benchmarks/kernel_table.py --quick               # smaller shapes, fewer repeats (CI smoke run)
+    python benchmarks/kernel_table.py --model PATH          # plus the end-to-end row (seconds per denoising step)
 
 Each row times one op at a realistic shape (Wan 2.1 1.3B: 12 heads of 128, width 1536, 4096 tokens; an LLM prefill
 chunk of 2048 x 4096 for the norms; the embedded Wan VAE's convolution and channel norm; its per-token timestep
