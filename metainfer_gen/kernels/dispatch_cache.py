@@ -9,7 +9,7 @@ and stride checks, string formatting of the reasons). The predicates are pure fu
 - the other arguments' values (ints, floats, strings, dtypes);
 - the autograd mode (Triton kernels have no backward);
 - the machine: :func:`metainfer_gen.platform.capabilities` (overridable in tests), whether triton is installed,
-  and ``TRITON_INTERPRET``.
+  ``TRITON_INTERPRET`` and ``METAINFER_CPU_KERNELS`` (the C++ CPU kernels' switch).
 
 so a decision is cached under :func:`signature_key` of the inputs, and the cache is dropped whenever
 :func:`environment` changes. The one stateful predicate, :class:`~metainfer_gen.kernels.common.CompiledPath`'s
@@ -32,6 +32,7 @@ from torch import nn
 
 from metainfer_gen import platform
 from metainfer_gen.kernels.common import compiles_frozen
+from metainfer_gen.kernels.cpu_build import DISABLE_ENV
 
 __all__ = ["MAX_DECISIONS", "call_site", "environment", "signature_key"]
 
@@ -82,8 +83,8 @@ def environment() -> tuple:
     keying on the function object would keep a decision made before triton was installed, or removed. Inside
     :func:`~metainfer_gen.kernels.common.no_new_compiles` compiled paths refuse new shapes, so that is state too.
     """
-    return (os.environ.get("TRITON_INTERPRET"), platform.capabilities(), platform.triton_installed(),
-            compiles_frozen())
+    return (os.environ.get("TRITON_INTERPRET"), os.environ.get(DISABLE_ENV), platform.capabilities(),
+            platform.triton_installed(), compiles_frozen())
 
 
 # id(code object) -> (code object, {line: site}); the code object is kept so that an id is never reused.

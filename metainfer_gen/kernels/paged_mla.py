@@ -4,7 +4,9 @@ MLA's absorbed form (DeepSeek-V2 paper, eq. 9-11; vLLM ``MLACommonImpl._forward_
 ``[q_nope @ W_UK, q_pe]`` (N heads, r + dr wide) and scores directly against the cache rows ``[c_kv, k_pe]``; the
 value is ``c_kv`` itself (the caller applies W_UV). Sequences of a batch have different contexts, so:
 
-- ``torch-blocks`` (the CPU path) walks the context a group of blocks at a time with an online softmax
+- ``cpp`` (the CPU path): the same walk in C++, every block read in place through the table; see
+  :mod:`metainfer_gen.kernels.paged_mla_cpu`.
+- ``torch-blocks`` (the CPU fallback where the C++ kernel is off or does not apply) walks the context a group of blocks at a time with an online softmax
   (FlashAttention's running max and sum, Dao et al. 2022; flash-decoding's split of the keys): per group it gathers
   only the rows of the sequences still inside their context (sorted by length, so no sequence is padded to the
   longest by more than one group), so memory per step is ``batch x group`` rows, not ``batch x context``. A batch
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from metainfer_gen.kernels.paged_mla_cpu import paged_mla_decode_cpp, paged_mla_decode_cpp_supports
 from metainfer_gen.kernels.paged_mla_triton import paged_mla_decode_supports, paged_mla_decode_triton
 from metainfer_gen.kernels.registry import Op, register_op
 from metainfer_gen.kernels.sparse_attention import gather_rows
@@ -157,6 +160,8 @@ PAGED_MLA_DECODE = register_op(Op("paged_mla_decode", "absorbed MLA decode over 
                                   _example))
 PAGED_MLA_DECODE.register("triton", paged_mla_decode_triton, paged_mla_decode_supports,
                           description="flash-decoding: (sequence, 16 heads, context split) programs, LSE merge")
+PAGED_MLA_DECODE.register("cpp", paged_mla_decode_cpp, paged_mla_decode_cpp_supports,
+                          description="C++ on the CPU: blocks read in place, online softmax, pieces merged by LSE")
 PAGED_MLA_DECODE.register("torch-blocks", paged_mla_decode_blocks,
                           description="groups of blocks, online softmax, no padding past one group")
 PAGED_MLA_DECODE.register("torch", paged_mla_decode_reference,

@@ -54,11 +54,13 @@ def test_each_sequence_reads_only_its_own_context():
                                                                  group_rows=64), out)
 
 
-def test_dispatch_takes_the_blocks_on_the_cpu():
+def test_dispatch_takes_the_cpp_kernel_on_the_cpu_and_the_blocks_where_it_refuses():
     q, rows, tables, lens, rank = _inputs(16)
     op = paged_mla.PAGED_MLA_DECODE
     impl, refusals = op.select(q, rows, tables, lens, 16, rank, 0.3)
-    assert impl.name == "torch-blocks" and refusals[0].implementation == "triton"
+    assert impl.name == "cpp" and refusals[0].implementation == "triton"
+    impl, refusals = op.select(q, rows.to(torch.bfloat16), tables, lens, 16, rank, 0.3)  # cache dtype differs
+    assert impl.name == "torch-blocks" and "cache dtype" in refusals[-1].reason
     with pytest.raises(ValueError, match="paged_mla_decode needs"):
         paged_mla.paged_mla_decode(q, rows, tables[:2], lens, 16, rank, 0.3)
 

@@ -1,0 +1,277 @@
+// Paged MLA decode on the CPU: one absorbed query per sequence scored in place against its latent-cache blocks,
+// read through the block table (no gathered copy of the context), with an online softmax per block
+// (FlashAttention's running max and sum) and the context of long sequences split into pieces merged by their
+// log-sum-exp (flash-decoding). The same arithmetic as metainfer_gen.kernels.paged_mla.paged_mla_decode_reference.
+//
+// Vectors are GCC vector extensions (16 floats), which compile to AVX-512 or to pairs of AVX2 registers for whatever
+// -march the build targets; where the target has AVX512-BF16, bf16 scores use its pairwise dot product
+// (vdpbf16ps). Threads: torch's intra-op pool (at::parallel_for), one worker per thread taking pieces longest first.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+constexpr int kLanes = 16;
+constexpr int kHeadGroup = 8;  // heads sharing one load of a cache row (8 accumulators + 1 row vector)
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline v16f load16(const at::BFloat16* p) {  // bf16 -> fp32 is exact: the 16 bits become the high half
+  v16h h;
+  std::memcpy(&h, p, sizeof(h));
+  return (v16f)(__builtin_convertvector(h, v16u) << 16);
+}
+
+inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline void store16(at::BFloat16* p, v16f v) {  // round to nearest even, NaN kept NaN (as c10::BFloat16)
+  v16u u = (v16u)v;
+  v16u rounded = (u + (((u >> 16) & 1u) + 0x7fffu)) >> 16;
+  v16u nan = (v16u)(v != v);
+  rounded = (rounded & ~nan) | (0x7fc0u & nan);
+  v16h h = __builtin_convertvector(rounded, v16h);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+inline float hsum(v16f v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// scores[t * heads + h] = scale * q[h] . row_t over dk columns, for NH heads starting at h0.
+template <int NH, typename T>
+void score_rows(const T* q, int64_t dk, const T* rows, int64_t row_stride, int tokens, int heads, int h0,
+                float scale, float* scores) {
+  for (int t = 0; t < tokens; ++t) {
+    const T* row = rows + t * row_stride;
+    v16f acc[NH] = {};
+    for (int64_t d = 0; d < dk; d += kLanes) {
+      v16f k = load16(row + d);
+      for (int h = 0; h < NH; ++h) acc[h] += load16(q + (h0 + h) * dk + d) * k;
+    }
+    for (int h = 0; h < NH; ++h) scores[t * heads + h0 + h] = hsum(acc[h]) * scale;
+  }
+}
+
+#if defined(__AVX512BF16__)
+template <int NH>
+void score_rows(const at::BFloat16* q, int64_t dk, const at::BFloat16* rows, int64_t row_stride, int tokens,
+                int heads, int h0, float scale, float* scores) {
+  for (int t = 0; t < tokens; ++t) {
+    const at::BFloat16* row = rows + t * row_stride;
+    __m512 acc[NH];
+    for (int h = 0; h < NH; ++h) acc[h] = _mm512_setzero_ps();
+    int64_t d = 0;
+    for (; d + 2 * kLanes <= dk; d += 2 * kLanes) {  // 32 bf16 per load, pairs summed into 16 fp32 lanes
+      __m512bh k = (__m512bh)_mm512_loadu_si512(row + d);
+      for (int h = 0; h < NH; ++h)
+        acc[h] = _mm512_dpbf16_ps(acc[h], (__m512bh)_mm512_loadu_si512(q + (h0 + h) * dk + d), k);
+    }
+    float tail[NH] = {};
+    for (; d < dk; d += kLanes) {  // a last 16 columns
+      v16f k = load16(row + d);
+      for (int h = 0; h < NH; ++h) tail[h] += hsum(load16(q + (h0 + h) * dk + d) * k);
+    }
+    for (int h = 0; h < NH; ++h) scores[t * heads + h0 + h] = (_mm512_reduce_add_ps(acc[h]) + tail[h]) * scale;
+  }
+}
+#endif
+
+// acc[h] = acc[h] * alpha[h] + sum_t probs[t * heads + h] * row_t[:r], for NH heads starting at h0.
+template <int NH, typename T>
+void accumulate_values(const float* probs, const T* rows, int64_t row_stride, int tokens, int heads, int h0,
+                       int64_t r, const float* alpha, float* acc) {
+  for (int64_t c = 0; c < r; c += kLanes) {
+    v16f a[NH];
+    for (int h = 0; h < NH; ++h) a[h] = load16(acc + (h0 + h) * r + c) * alpha[h0 + h];
+    for (int t = 0; t < tokens; ++t) {
+      v16f v = load16(rows + t * row_stride + c);
+      for (int h = 0; h < NH; ++h) a[h] += probs[t * heads + h0 + h] * v;
+    }
+    for (int h = 0; h < NH; ++h) store16(acc + (h0 + h) * r + c, a[h]);
+  }
+}
+
+template <typename T, typename F>
+void for_head_groups(int heads, F&& body) {  // body(std::integral_constant<int, NH>, h0)
+  int h0 = 0;
+  for (; h0 + kHeadGroup <= heads; h0 += kHeadGroup) body(std::integral_constant<int, kHeadGroup>(), h0);
+  switch (heads - h0) {
+    case 7: body(std::integral_constant<int, 7>(), h0); break;
+    case 6: body(std::integral_constant<int, 6>(), h0); break;
+    case 5: body(std::integral_constant<int, 5>(), h0); break;
+    case 4: body(std::integral_constant<int, 4>(), h0); break;
+    case 3: body(std::integral_constant<int, 3>(), h0); break;
+    case 2: body(std::integral_constant<int, 2>(), h0); break;
+    case 1: body(std::integral_constant<int, 1>(), h0); break;
+    default: break;
+  }
+}
+
+struct Piece {
+  int64_t seq, first_block, last_block;
+};
+
+// One piece: blocks [first, last) of sequence seq. Writes acc (heads, r) unnormalised, m and l (heads).
+template <typename T>
+void run_piece(const Piece& p, const T* q, const T* kv, int64_t kv_rows, int64_t row_stride, const int64_t* table,
+               int64_t table_width, int64_t len, int64_t block_size, int heads, int64_t dk, int64_t r, float scale,
+               float* acc, float* m, float* l, std::vector<float>& scores, std::vector<float>& alpha) {
+  std::fill(acc, acc + heads * r, 0.f);
+  std::fill(m, m + heads, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + heads, 0.f);
+  const T* qs = q + p.seq * heads * dk;
+  for (int64_t blk = p.first_block; blk < p.last_block; ++blk) {
+    const int64_t id = table[p.seq * table_width + blk];
+    const int tokens = static_cast<int>(std::min(block_size, len - blk * block_size));
+    TORCH_CHECK(id >= 0 && id * block_size + tokens <= kv_rows, "paged_mla_decode: sequence ", p.seq, " block ",
+                blk, " is cache block ", id, ", outside the cache's ", kv_rows / block_size, " blocks");
+    const T* rows = kv + id * block_size * row_stride;
+    for_head_groups<T>(heads, [&](auto nh, int h0) {
+      score_rows<decltype(nh)::value>(qs, dk, rows, row_stride, tokens, heads, h0, scale, scores.data());
+    });
+    for (int h = 0; h < heads; ++h) {  // online softmax: new running max, rescale factor, probabilities
+      float mx = m[h];
+      for (int t = 0; t < tokens; ++t) mx = std::max(mx, scores[t * heads + h]);
+      alpha[h] = std::exp(m[h] - mx);  // exp(-inf) = 0 on the first block
+      float sum = 0.f;
+      for (int t = 0; t < tokens; ++t) {
+        float e = std::exp(scores[t * heads + h] - mx);
+        scores[t * heads + h] = e;
+        sum += e;
+      }
+      l[h] = l[h] * alpha[h] + sum;
+      m[h] = mx;
+    }
+    for_head_groups<T>(heads, [&](auto nh, int h0) {
+      accumulate_values<decltype(nh)::value>(scores.data(), rows, row_stride, tokens, heads, h0, r, alpha.data(),
+                                             acc);
+    });
+  }
+}
+
+template <typename T>
+void decode(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables, const int64_t* lens,
+            int64_t block_size, int64_t r, float scale, torch::Tensor& out) {
+  const int64_t batch = q.size(0), dk = q.size(2);
+  const int heads = static_cast<int>(q.size(1));
+  const int64_t width = tables.size(1), row_stride = kv.stride(0), kv_rows = kv.size(0);
+  const int threads = at::get_num_threads();
+  int64_t total_blocks = 0;
+  for (int64_t b = 0; b < batch; ++b) total_blocks += (lens[b] + block_size - 1) / block_size;
+  // Split long contexts so there are enough pieces for every thread; short ones stay whole (no merge).
+  const int64_t split = std::max<int64_t>(8, (total_blocks + 4 * threads - 1) / (4 * threads));
+  std::vector<Piece> pieces;
+  std::vector<int64_t> first_piece(batch + 1);
+  for (int64_t b = 0; b < batch; ++b) {
+    first_piece[b] = static_cast<int64_t>(pieces.size());
+    const int64_t blocks = (lens[b] + block_size - 1) / block_size;
+    for (int64_t f = 0; f < blocks; f += split) pieces.push_back({b, f, std::min(blocks, f + split)});
+  }
+  first_piece[batch] = static_cast<int64_t>(pieces.size());
+  std::vector<int64_t> order(pieces.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {  // longest first
+    const Piece &x = pieces[a], &y = pieces[b];
+    return x.last_block - x.first_block > y.last_block - y.first_block;
+  });
+  const int64_t n = static_cast<int64_t>(pieces.size());
+  std::vector<float> acc(n * heads * r), m(n * heads), l(n * heads);
+  const T* qp = q.data_ptr<T>();
+  const T* kvp = kv.data_ptr<T>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> scores(block_size * heads), alpha(heads);
+    for (int64_t i = next++; i < n; i = next++) {
+      const int64_t k = order[i];
+      const Piece& p = pieces[k];
+      run_piece<T>(p, qp, kvp, kv_rows, row_stride, tp, width, lens[p.seq], block_size, heads, dk, r, scale,
+                   &acc[k * heads * r], &m[k * heads], &l[k * heads], scores, alpha);
+    }
+  });
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, batch * heads, 16, [&](int64_t begin, int64_t end) {  // merge pieces by log-sum-exp
+    std::vector<float> row(r);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / heads, h = bh % heads;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t k = first_piece[b]; k < first_piece[b + 1]; ++k) mx = std::max(mx, m[k * heads + h]);
+      std::fill(row.begin(), row.end(), 0.f);
+      float denom = 0.f;
+      for (int64_t k = first_piece[b]; k < first_piece[b + 1]; ++k) {
+        const float w = std::exp(m[k * heads + h] - mx);
+        denom += l[k * heads + h] * w;
+        const float* a = &acc[(k * heads + h) * r];
+        for (int64_t c = 0; c < r; c += kLanes) store16(&row[c], load16(&row[c]) + load16(a + c) * w);
+      }
+      const float inv = 1.f / denom;
+      for (int64_t c = 0; c < r; c += kLanes) store16(op + bh * r + c, load16(&row[c]) * inv);
+    }
+  });
+}
+
+}  // namespace
+
+// q (B, N, Dk) contiguous; kv (S, >= Dk) with unit column stride; tables (B, W) int64 contiguous; lens (B,) int64,
+// 1 <= len <= W * block_size; Dk and r multiples of 16, r < Dk. Returns (B, N, r) in q's dtype.
+torch::Tensor paged_mla_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch::Tensor lens,
+                               int64_t block_size, int64_t r, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && kv.dim() == 2 && kv.stride(1) == 1, "paged_mla_decode: q must "
+              "be contiguous (B, N, Dk) and kv_rows (S, row) with unit column stride");
+  TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "paged_mla_decode: q and kv_rows must share a dtype");
+  TORCH_CHECK(q.size(2) % kLanes == 0 && r % kLanes == 0 && r < q.size(2) && kv.size(1) >= q.size(2),
+              "paged_mla_decode: Dk and value_dim must be multiples of 16 with value_dim < Dk <= row");
+  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == torch::kLong && tables.is_contiguous() &&
+              tables.size(0) == q.size(0), "paged_mla_decode: block_tables must be contiguous int64 (B, W)");
+  auto lens_c = lens.to(torch::kLong).contiguous();
+  TORCH_CHECK(lens_c.numel() == q.size(0), "paged_mla_decode: context_lens must be (B,)");
+  const int64_t* lp = lens_c.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b)
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= tables.size(1) * block_size, "paged_mla_decode: context_lens[", b, "] = ",
+                lp[b], " is outside [1, ", tables.size(1) * block_size, "] (the block table's width x block size)");
+  auto out = torch::empty({q.size(0), q.size(1), r}, q.options());
+  if (q.size(0) == 0) return out;
+  const float s = static_cast<float>(scale);
+  if (q.scalar_type() == torch::kFloat) {
+    decode<float>(q, kv, tables, lp, block_size, r, s, out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "paged_mla_decode: float32 or bfloat16 only");
+    decode<at::BFloat16>(q, kv, tables, lp, block_size, r, s, out);
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_mla_decode", &paged_mla_decode, "paged MLA decode through the block table (CPU)");
+  m.attr("avx512_bf16") = pybind11::bool_(
+#if defined(__AVX512BF16__)
+      true
+#else
+      false
+#endif
+  );
+}
