@@ -32,6 +32,16 @@ def test_matches_reference(block_size, heads, dtype):
     assert_close(paged_mla_cpu.paged_mla_decode_cpp(q, rows, tables, lens, block_size, rank, 0.3), ref.to(dtype))
 
 
+@pytest.mark.parametrize("dims", [(512, 64), (128, 64)], ids=["576-512", "192-128"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deepseek_and_small_latent_widths(dims, dtype):
+    """The shared cases' MLA widths: DeepSeek's 576 / 512 and a 192 / 128 latent, at page size 16."""
+    rank, rope = dims
+    q, rows, tables, lens, rank = _inputs(16, heads=16, rank=rank, rope=rope, dtype=dtype)
+    ref = paged_mla.paged_mla_decode_reference(q.float(), rows.float(), tables, lens, 16, rank, 0.1)
+    assert_close(paged_mla_cpu.paged_mla_decode_cpp(q, rows, tables, lens, 16, rank, 0.1), ref.to(dtype))
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_long_context_split_into_pieces_merges_exactly(threads):
     """One sequence of 4,000 tokens with a short one beside it: the long context is cut into pieces (at least 8
