@@ -115,7 +115,7 @@ void accumulate_values(const float* probs, const T* rows, int64_t row_stride, in
   }
 }
 
-template <typename T, typename F>
+template <typename F>
 void for_head_groups(int heads, F&& body) {  // body(std::integral_constant<int, NH>, h0)
   int h0 = 0;
   for (; h0 + kHeadGroup <= heads; h0 += kHeadGroup) body(std::integral_constant<int, kHeadGroup>(), h0);
@@ -150,7 +150,7 @@ void run_piece(const Piece& p, const T* q, const T* kv, int64_t kv_rows, int64_t
     TORCH_CHECK(id >= 0 && id * block_size + tokens <= kv_rows, "paged_mla_decode: sequence ", p.seq, " block ",
                 blk, " is cache block ", id, ", outside the cache's ", kv_rows / block_size, " blocks");
     const T* rows = kv + id * block_size * row_stride;
-    for_head_groups<T>(heads, [&](auto nh, int h0) {
+    for_head_groups(heads, [&](auto nh, int h0) {
       score_rows<decltype(nh)::value>(qs, dk, rows, row_stride, tokens, heads, h0, scale, scores.data());
     });
     for (int h = 0; h < heads; ++h) {  // online softmax: new running max, rescale factor, probabilities
@@ -166,7 +166,7 @@ void run_piece(const Piece& p, const T* q, const T* kv, int64_t kv_rows, int64_t
       l[h] = l[h] * alpha[h] + sum;
       m[h] = mx;
     }
-    for_head_groups<T>(heads, [&](auto nh, int h0) {
+    for_head_groups(heads, [&](auto nh, int h0) {
       accumulate_values<decltype(nh)::value>(scores.data(), rows, row_stride, tokens, heads, h0, r, alpha.data(),
                                              acc);
     });
