@@ -1,7 +1,10 @@
 """Attention of queries over one block of keys with its log-sum-exp: the inner step of blockwise (and ring) prefill.
 
-The caller joins blocks by log-sum-exp (:class:`metainfer_gen.llm.layers.online_softmax.LSEMerge`). Three paths:
+The caller joins blocks by log-sum-exp (:class:`metainfer_gen.llm.layers.online_softmax.LSEMerge`). Four paths:
 
+- ``bmm-fused`` (bf16 on a CPU with native bf16): ``bmm-blocks`` with the softmax between its two GEMMs in one C++
+  pass per row (``csrc/block_softmax.cpp``: scale, mask, max, exp, sum in float32, bf16 probabilities written over
+  the bf16 scores), instead of eight torch passes and two casts over each block's scores.
 - ``bmm-blocks`` (a CPU with native bf16: AMX-BF16 or AVX512-BF16, in bf16/fp16): a block of
   :data:`QUERY_BLOCK` queries at a time, the scores through ``bmm`` in the input dtype (oneDNN's bf16 GEMMs),
   a float32 softmax, the probabilities back in the input dtype through ``bmm`` with the values. A causal block of
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from metainfer_gen.kernels.cpu_build import ensure_built, load_built
 from metainfer_gen.kernels.registry import Op, register_op
 
 __all__ = ["QUERY_BLOCK", "block_attention", "block_attention_reference"]
@@ -46,25 +50,48 @@ def block_attention_reference(q, k, v, scale: float, mask: torch.Tensor | None =
 
 
 def _bmm_blocks(q, k, v, scale: float, mask: torch.Tensor | None = None, causal: bool = False,
-                block: int = QUERY_BLOCK):
+                block: int = QUERY_BLOCK, fused: bool = False):
+    kernel = ensure_built("block_softmax") if fused else None
     heads, t, s = q.shape[0], q.shape[1], k.shape[1]
     out = q.new_empty(heads, t, v.shape[-1])
     lse = torch.empty(heads, t, device=q.device)
     for lo in range(0, t, block):
         hi = min(t, lo + block)
         keys = min(s, hi) if causal else s  # causal, top-left aligned: query i sees keys 0..i
-        scores = torch.bmm(q[:, lo:hi], k[:, :keys].transpose(1, 2)).float().mul_(scale)  # (N, b, keys)
-        if causal and keys > lo:
-            diagonal = torch.ones(hi - lo, keys - lo, dtype=torch.bool, device=q.device).triu_(1)
-            scores[:, :, lo:keys].masked_fill_(diagonal, float("-inf"))
-        elif mask is not None:
-            scores.masked_fill_(~mask[lo:hi], float("-inf"))
-        top = _no_key(scores.amax(-1, keepdim=True))
-        probs = scores.sub_(top).exp_()
-        total = probs.sum(-1, keepdim=True)
+        scores = torch.bmm(q[:, lo:hi], k[:, :keys].transpose(1, 2))  # (N, b, keys) in the input dtype
+        rows = None if mask is None else mask[lo:hi]
+        if kernel is not None:  # bf16 probabilities written over the scores
+            top, total = (x[..., None] for x in kernel.block_softmax_(scores, scale, lo if causal else -1, rows))
+            probs = scores
+        else:
+            probs, top, total = _softmax_rows(scores.float().mul_(scale), lo, rows, causal)
         out[:, lo:hi] = torch.bmm(probs.to(v.dtype), v[:, :keys]).div_(total.clamp_min(1e-30).to(v.dtype))
         lse[:, lo:hi] = (top + total.log())[..., 0]  # -inf where a query sees no key
     return out, lse
+
+
+def _softmax_rows(scores: torch.Tensor, lo: int, mask: torch.Tensor | None, causal: bool):
+    """float32 scores (N, b, keys) of queries lo.. -> (unnormalised probabilities in place, row max, row sum)."""
+    keys = scores.shape[-1]
+    if causal and keys > lo:
+        diagonal = torch.ones(scores.shape[1], keys - lo, dtype=torch.bool, device=scores.device).triu_(1)
+        scores[:, :, lo:keys].masked_fill_(diagonal, float("-inf"))
+    elif mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    top = _no_key(scores.amax(-1, keepdim=True))
+    probs = scores.sub_(top).exp_()
+    return probs, top, probs.sum(-1, keepdim=True)
+
+
+def _bmm_fused(q, k, v, scale: float, mask: torch.Tensor | None = None, causal: bool = False,
+               block: int = QUERY_BLOCK):
+    return _bmm_blocks(q, k, v, scale, mask, causal, block, fused=True)
+
+
+def _bmm_fused_supports(q, k, v, scale, mask=None, causal=False) -> str | None:
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}: the fused softmax takes bfloat16 scores"
+    return _bmm_blocks_supports(q, k, v, scale, mask, causal) or load_built("block_softmax")[1]
 
 
 def _bmm_blocks_supports(q, k, v, scale, mask=None, causal=False) -> str | None:
@@ -112,6 +139,8 @@ def _example(device: str, dtype: torch.dtype):
 
 BLOCK_ATTENTION = register_op(Op("block_attention", "prefill attention over one block of keys, with its LSE",
                                  _example))
+BLOCK_ATTENTION.register("bmm-fused", _bmm_fused, _bmm_fused_supports,
+                         description="bmm-blocks with its softmax in one C++ pass per row (bf16)")
 BLOCK_ATTENTION.register("bmm-blocks", _bmm_blocks, _bmm_blocks_supports,
                          description="128 queries at a time, bf16 bmm (oneDNN), causal half skipped")
 BLOCK_ATTENTION.register("flash-cpu", _flash_cpu, _flash_cpu_supports,

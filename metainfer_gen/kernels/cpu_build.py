@@ -41,11 +41,13 @@ def cache_dir() -> Path:
 
 
 def build_key(name: str) -> str:
-    """16 hex digits naming one build of ``csrc/<name>.cpp``: its text, the compiler flags, torch's and Python's
+    """16 hex digits naming one build of ``csrc/<name>.cpp``: its text and the headers beside it, the compiler flags, torch's and Python's
     versions and the CPU's flags. Raises FileNotFoundError if the source is missing."""
     import torch
 
     digest = hashlib.sha256((SOURCES / f"{name}.cpp").read_bytes())
+    for header in sorted(SOURCES.glob("*.h")):  # the shared headers every kernel may include
+        digest.update(header.read_bytes())
     for part in (" ".join(FLAGS), torch.__version__, sys.version, " ".join(sorted(cpu_flags()))):
         digest.update(b"\0" + part.encode())
     return digest.hexdigest()[:16]
@@ -77,6 +79,7 @@ def _build(name: str) -> ModuleType:
         log.warning("building the C++ CPU kernel %s for this CPU (once per machine, about 30 s) in %s", name, where)
     return cpp_extension.load(name=f"metainfer_{name}_{key}", sources=[str(SOURCES / f"{name}.cpp")],
                               extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], build_directory=str(where),
+                              extra_include_paths=[str(SOURCES)],
                               verbose=False)
 
 

@@ -26,8 +26,11 @@ def _masks(t, s):
     return [dict(), dict(causal=True), dict(mask=mask)]
 
 
-@pytest.mark.parametrize("impl", ["bmm-blocks", "flash-cpu"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+PATHS = [("bmm-fused", torch.bfloat16)] + [(impl, dtype) for impl in ("bmm-blocks", "flash-cpu")
+                                          for dtype in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("impl,dtype", PATHS, ids=[f"{i}-{str(d)[6:]}" for i, d in PATHS])
 @pytest.mark.parametrize("t,s", [(9, 13), (300, 300), (300, 170), (140, 420)])
 def test_each_path_equals_the_whole_matrix(impl, dtype, t, s):
     """Query blocks of 128 split the 300- and 140-query cases, causal with fewer and with more keys than queries;
@@ -50,12 +53,36 @@ def test_each_path_equals_the_whole_matrix(impl, dtype, t, s):
 def test_the_path_follows_the_dtype_and_the_cpu_flags():
     q, k, v = _inputs(16, 16, torch.bfloat16)
     with platform.override_capabilities(BF16_CPU):
-        assert ba.BLOCK_ATTENTION.select(q, k, v, 0.3)[0].name == "bmm-blocks"
-        impl, (refusal,) = ba.BLOCK_ATTENTION.select(q.float(), k.float(), v.float(), 0.3)
+        assert ba.BLOCK_ATTENTION.select(q, k, v, 0.3)[0].name == "bmm-fused"
+        impl, (fused, refusal) = ba.BLOCK_ATTENTION.select(q.float(), k.float(), v.float(), 0.3)
         assert impl.name == "flash-cpu" and "float32" in refusal.reason and "--dtype bfloat16" in refusal.reason
+        assert fused.implementation == "bmm-fused" and "bfloat16" in fused.reason
     with platform.override_capabilities(PLAIN_CPU):
+        impl, refusals = ba.BLOCK_ATTENTION.select(q, k, v, 0.3)
+        assert impl.name == "flash-cpu" and all("emulate" in r.reason for r in refusals)
+
+
+def test_the_fused_softmax_switched_off_leaves_the_torch_softmax(monkeypatch):
+    from metainfer_gen.kernels.cpu_build import DISABLE_ENV
+
+    q, k, v = _inputs(16, 16, torch.bfloat16)
+    monkeypatch.setenv(DISABLE_ENV, "0")
+    with platform.override_capabilities(BF16_CPU):
         impl, (refusal,) = ba.BLOCK_ATTENTION.select(q, k, v, 0.3)
-        assert impl.name == "flash-cpu" and "emulate" in refusal.reason
+    assert impl.name == "bmm-blocks" and DISABLE_ENV in refusal.reason
+
+
+def test_the_fused_softmax_matches_the_torch_softmax_to_float32_rounding():
+    """Both paths round the scores and probabilities to bf16 at the same points; only the exp and the summation
+    order differ (a few float32 ulps in the LSE)."""
+    q, k, v = _inputs(300, 300, torch.bfloat16, seed=5)
+    for kwargs in _masks(300, 300):
+        out, lse = ba._bmm_fused(q, k, v, 0.3, **kwargs)
+        ref_out, ref_lse = ba._bmm_blocks(q, k, v, 0.3, **kwargs)
+        seen = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), seen)
+        torch.testing.assert_close(lse[seen], ref_lse[seen], rtol=0, atol=1e-5)
+        torch.testing.assert_close(out.float(), ref_out.float(), rtol=0, atol=8e-3)  # one bf16 ulp near 1
 
 
 def test_dispatch_is_audited_and_checks_shapes():

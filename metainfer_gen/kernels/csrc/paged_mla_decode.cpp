@@ -22,44 +22,13 @@
 #include <immintrin.h>
 #endif
 
+#include "vec16.h"
+
 namespace {
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
+using namespace metainfer;
 
-constexpr int kLanes = 16;
 constexpr int kHeadGroup = 8;  // heads sharing one load of a cache row (8 accumulators + 1 row vector)
-
-inline v16f load16(const float* p) {
-  v16f v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline v16f load16(const at::BFloat16* p) {  // bf16 -> fp32 is exact: the 16 bits become the high half
-  v16h h;
-  std::memcpy(&h, p, sizeof(h));
-  return (v16f)(__builtin_convertvector(h, v16u) << 16);
-}
-
-inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline void store16(at::BFloat16* p, v16f v) {  // round to nearest even, NaN kept NaN (as c10::BFloat16)
-  v16u u = (v16u)v;
-  v16u rounded = (u + (((u >> 16) & 1u) + 0x7fffu)) >> 16;
-  v16u nan = (v16u)(v != v);
-  rounded = (rounded & ~nan) | (0x7fc0u & nan);
-  v16h h = __builtin_convertvector(rounded, v16h);
-  std::memcpy(p, &h, sizeof(h));
-}
-
-inline float hsum(v16f v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
 
 // scores[t * heads + h] = scale * q[h] . row_t over dk columns, for NH heads starting at h0.
 template <int NH, typename T>

@@ -1,0 +1,68 @@
+// 16-float vectors for the C++ CPU kernels: GCC vector extensions, compiled to AVX-512 registers or to pairs of
+// AVX2 ones for whatever -march the build targets; bf16 <-> fp32 as torch converts (round to nearest even).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace metainfer {
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+constexpr int kLanes = 16;
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline v16f load16(const at::BFloat16* p) {  // bf16 -> fp32 is exact: the 16 bits become the high half
+  v16h h;
+  std::memcpy(&h, p, sizeof(h));
+  return (v16f)(__builtin_convertvector(h, v16u) << 16);
+}
+
+inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline void store16(at::BFloat16* p, v16f v) {  // round to nearest even, NaN kept NaN (as c10::BFloat16)
+  v16u u = (v16u)v;
+  v16u rounded = (u + (((u >> 16) & 1u) + 0x7fffu)) >> 16;
+  v16u nan = (v16u)(v != v);
+  rounded = (rounded & ~nan) | (0x7fc0u & nan);
+  v16h h = __builtin_convertvector(rounded, v16h);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+inline float hsum(v16f v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// exp(x) for x <= 0 (Cephes expf: 2^n times a degree-6 polynomial on [-ln2/2, ln2/2], about 2 ulp); x below
+// -87.3 (where float32 underflows), -inf included, gives 0.
+inline v16f exp16(v16f x) {
+  const v16f lo = v16f{} - 87.3f;
+  const v16f xc = x < lo ? lo : x;
+  const v16f t = xc * 1.44269504088896341f;
+  const v16i n = __builtin_convertvector(t - 0.5f, v16i);  // t <= 0: truncating t - 0.5 rounds to nearest
+  const v16f nf = __builtin_convertvector(n, v16f);
+  const v16f r = xc - nf * 0.693359375f + nf * 2.12194440e-4f;
+  v16f p = v16f{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const v16f y = p * r * r + r + 1.f;
+  const v16f scale = (v16f)((n + 127) << 23);
+  return x < lo ? v16f{} : y * scale;
+}
+
+}  // namespace metainfer
