@@ -5,15 +5,16 @@ per block, long contexts split into pieces merged by log-sum-exp, torch's thread
 Where the target has AVX512-BF16 (Zen 4/5, Sapphire Rapids and later) bf16 scores use its pairwise dot product;
 values accumulate in float32 from rows widened in registers. Against ``torch-blocks`` (gather, ``bmm``, softmax,
 ``bmm``) at 64 sequences of 64-544 tokens, 8 heads, 576-wide rows, block size 16 on an Intel Xeon with AMX-BF16:
-1.85x (bf16) and 2.39x (fp32) on one thread, 2.07x and 2.59x on two (``benchmarks/paged_mla_cpu.py``). Built once per machine by
-:mod:`metainfer_gen.kernels.cpu_build`; where the build is off or fails the registry refuses it with the reason.
+1.85x (bf16) and 2.39x (fp32) on one thread, 2.07x and 2.59x on two (``benchmarks/paged_mla_cpu.py``). Built once
+per machine by :mod:`metainfer_gen.kernels.cpu_build`; where the build is off or fails the registry refuses it with
+the reason.
 """
 
 from __future__ import annotations
 
 import torch
 
-from metainfer_gen.kernels.common import contiguous_refusal, dtype_refusal, first_refusal
+from metainfer_gen.kernels.common import dtype_refusal, first_refusal
 from metainfer_gen.kernels.cpu_build import ensure_built, load_built
 
 __all__ = ["KERNEL", "paged_mla_decode_cpp", "paged_mla_decode_cpp_supports", "warm_up"]
