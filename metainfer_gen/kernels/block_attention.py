@@ -55,10 +55,14 @@ def _bmm_blocks(q, k, v, scale: float, mask: torch.Tensor | None = None, causal:
     heads, t, s = q.shape[0], q.shape[1], k.shape[1]
     out = q.new_empty(heads, t, v.shape[-1])
     lse = torch.empty(heads, t, device=q.device)
+    # oneDNN's bmm copies any operand that is not one contiguous (N, rows, cols) block, so a block's key slice is
+    # copied on every call: laid out transposed once, that copy is a plain one instead of a transposing one
+    # (1.2-1.3x on this function at 512-1,024 causal queries, the same results bit for bit)
+    k_t = k.transpose(1, 2).contiguous() if t > block else k.transpose(1, 2)  # (N, dq, s)
     for lo in range(0, t, block):
         hi = min(t, lo + block)
         keys = min(s, hi) if causal else s  # causal, top-left aligned: query i sees keys 0..i
-        scores = torch.bmm(q[:, lo:hi], k[:, :keys].transpose(1, 2))  # (N, b, keys) in the input dtype
+        scores = torch.bmm(q[:, lo:hi], k_t[:, :, :keys])  # (N, b, keys) in the input dtype
         rows = None if mask is None else mask[lo:hi]
         if kernel is not None:  # bf16 probabilities written over the scores
             top, total = (x[..., None] for x in kernel.block_softmax_(scores, scale, lo if causal else -1, rows))
