@@ -84,6 +84,57 @@ void accumulate_values(const float* probs, const T* rows, int64_t row_stride, in
   }
 }
 
+#if defined(__AVX512BF16__)
+constexpr int kPairChunk = 128;  // tokens whose bf16 probability pairs are packed at a time (on the stack)
+
+// The same for bf16 rows through AVX512-BF16's pairwise dot product: two tokens' values interleaved column by column
+// (vpermw) meet their two probabilities, rounded to bf16 (as the prefill's fused softmax writes them), in one
+// vdpbf16ps per head: half the instructions of fp32 FMAs, the sum still float32. An odd last token pairs with zeros,
+// so no row past the context is read.
+template <int NH>
+void accumulate_pairs(const float* probs, const at::BFloat16* rows, int64_t row_stride, int tokens, int heads,
+                      int h0, int64_t r, const float* alpha, float* acc) {  // tokens <= kPairChunk
+  const int pairs = (tokens + 1) / 2;
+  uint32_t packed[kPairChunk / 2 * NH];  // (p_t, p_t+1) as two bf16, per token pair and head
+  for (int i = 0; i < pairs; ++i)
+    for (int h = 0; h < NH; ++h) {
+      const float lo = probs[2 * i * heads + h0 + h];
+      const float hi = 2 * i + 1 < tokens ? probs[(2 * i + 1) * heads + h0 + h] : 0.f;
+      packed[i * NH + h] = static_cast<uint32_t>(c10::BFloat16(lo).x) |
+                           (static_cast<uint32_t>(c10::BFloat16(hi).x) << 16);
+    }
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t c = 0; c < r; c += kLanes) {
+    __m512 a[NH];
+    for (int h = 0; h < NH; ++h) {
+      a[h] = _mm512_loadu_ps(acc + (h0 + h) * r + c);
+      if (alpha != nullptr) a[h] = _mm512_mul_ps(a[h], _mm512_set1_ps(alpha[h0 + h]));
+    }
+    for (int i = 0; i < pairs; ++i) {
+      const at::BFloat16* row = rows + 2 * i * row_stride + c;
+      const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+      const __m256i second = 2 * i + 1 < tokens
+          ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + row_stride)) : _mm256_setzero_si256();
+      const __m512i v = _mm512_permutexvar_epi16(  // (first[j], second[j]) in 32-bit lane j
+          interleave, _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1));
+      for (int h = 0; h < NH; ++h)
+        a[h] = _mm512_dpbf16_ps(a[h], (__m512bh)_mm512_set1_epi32(static_cast<int>(packed[i * NH + h])),
+                                (__m512bh)v);
+    }
+    for (int h = 0; h < NH; ++h) _mm512_storeu_ps(acc + (h0 + h) * r + c, a[h]);
+  }
+}
+
+template <int NH>
+void accumulate_values(const float* probs, const at::BFloat16* rows, int64_t row_stride, int tokens, int heads,
+                       int h0, int64_t r, const float* alpha, float* acc) {
+  for (int t = 0; t < tokens; t += kPairChunk)  // rescaled once, by the first chunk
+    accumulate_pairs<NH>(probs + t * heads, rows + t * row_stride, row_stride, std::min(kPairChunk, tokens - t),
+                         heads, h0, r, t == 0 ? alpha : nullptr, acc);
+}
+#endif
+
 template <typename F>
 void for_head_groups(int heads, F&& body) {  // body(std::integral_constant<int, NH>, h0)
   int h0 = 0;
@@ -108,7 +159,8 @@ struct Piece {
 template <typename T>
 void run_piece(const Piece& p, const T* q, const T* kv, int64_t kv_rows, int64_t row_stride, const int64_t* table,
                int64_t table_width, int64_t len, int64_t block_size, int heads, int64_t dk, int64_t r, float scale,
-               float* acc, float* m, float* l, std::vector<float>& scores, std::vector<float>& alpha) {
+               float* acc, float* m, float* l, std::vector<float>& scores, std::vector<float>& shift,
+               std::vector<float>& alpha) {
   std::fill(acc, acc + heads * r, 0.f);
   std::fill(m, m + heads, -std::numeric_limits<float>::infinity());
   std::fill(l, l + heads, 0.f);
@@ -122,18 +174,23 @@ void run_piece(const Piece& p, const T* q, const T* kv, int64_t kv_rows, int64_t
     for_head_groups(heads, [&](auto nh, int h0) {
       score_rows<decltype(nh)::value>(qs, dk, rows, row_stride, tokens, heads, h0, scale, scores.data());
     });
-    for (int h = 0; h < heads; ++h) {  // online softmax: new running max, rescale factor, probabilities
+    // online softmax: new running max and rescale factor per head, then the probabilities of the whole block
+    // (tokens x heads scores) 16 at a time through the vector exp, then the sums
+    for (int h = 0; h < heads; ++h) {
       float mx = m[h];
       for (int t = 0; t < tokens; ++t) mx = std::max(mx, scores[t * heads + h]);
       alpha[h] = std::exp(m[h] - mx);  // exp(-inf) = 0 on the first block
-      float sum = 0.f;
-      for (int t = 0; t < tokens; ++t) {
-        float e = std::exp(scores[t * heads + h] - mx);
-        scores[t * heads + h] = e;
-        sum += e;
-      }
-      l[h] = l[h] * alpha[h] + sum;
       m[h] = mx;
+    }
+    const int n = tokens * heads;
+    for (int i = 0; i < n; ++i) shift[i] = m[i % heads];
+    int i = 0;
+    for (; i + kLanes <= n; i += kLanes) store16(&scores[i], exp16(load16(&scores[i]) - load16(&shift[i])));
+    for (; i < n; ++i) scores[i] = std::exp(scores[i] - shift[i]);
+    for (int h = 0; h < heads; ++h) {
+      float sum = 0.f;
+      for (int t = 0; t < tokens; ++t) sum += scores[t * heads + h];
+      l[h] = l[h] * alpha[h] + sum;
     }
     for_head_groups(heads, [&](auto nh, int h0) {
       accumulate_values<decltype(nh)::value>(scores.data(), rows, row_stride, tokens, heads, h0, r, alpha.data(),
@@ -174,12 +231,12 @@ void decode(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor
   const int64_t* tp = tables.data_ptr<int64_t>();
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> scores(block_size * heads), alpha(heads);
+    std::vector<float> scores(block_size * heads), shift(block_size * heads), alpha(heads);
     for (int64_t i = next++; i < n; i = next++) {
       const int64_t k = order[i];
       const Piece& p = pieces[k];
       run_piece<T>(p, qp, kvp, kv_rows, row_stride, tp, width, lens[p.seq], block_size, heads, dk, r, scale,
-                   &acc[k * heads * r], &m[k * heads], &l[k * heads], scores, alpha);
+                   &acc[k * heads * r], &m[k * heads], &l[k * heads], scores, shift, alpha);
     }
   });
   T* op = out.data_ptr<T>();
