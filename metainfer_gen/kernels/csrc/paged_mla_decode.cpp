@@ -1,7 +1,8 @@
 // Paged MLA decode on the CPU: one absorbed query per sequence scored in place against its latent-cache blocks,
 // read through the block table (no gathered copy of the context), with an online softmax per block
 // (FlashAttention's running max and sum) and the context of long sequences split into pieces merged by their
-// log-sum-exp (flash-decoding). The same arithmetic as metainfer_gen.kernels.paged_mla.paged_mla_decode_reference.
+// log-sum-exp (flash-decoding). The same arithmetic as metainfer_gen.kernels.paged_mla.paged_mla_decode_reference,
+// except that bf16 values meet their probabilities rounded to bf16 (accumulate_pairs), as the prefill's are.
 //
 // Vectors are GCC vector extensions (16 floats), which compile to AVX-512 or to pairs of AVX2 registers for whatever
 // -march the build targets; where the target has AVX512-BF16, bf16 scores use its pairwise dot product
