@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,8 +168,10 @@ class LLMServer:
 
     # -- running ----------------------------------------------------------------------------------------------
     @classmethod
-    def run_forever(cls, config: ServeConfig, log_level: str = "info", pipe=None) -> None:
-        """Load (or take ``pipe``), bind and serve until Ctrl-C / SIGTERM, then close everything.
+    def run_forever(cls, config: ServeConfig, log_level: str = "info", pipe=None,
+                    stop_when: Callable[[], bool] | None = None) -> None:
+        """Load (or take ``pipe``), bind and serve until Ctrl-C / SIGTERM, or until ``stop_when()`` turns true
+        (checked between engine steps and at least every half second), then close everything.
 
         The engine loop runs on this (the main) thread and uvicorn on a thread of its own: torch's OpenMP regions
         opened from a second thread ran about 2x slower (see
@@ -184,9 +187,12 @@ class LLMServer:
         server._thread.start()
         print(f"serving {server.model_name!r} on {server.base_url} (OpenAI API; /health, /metrics)", flush=True)
         try:
+            def done() -> bool:
+                return not server._thread.is_alive() or (stop_when is not None and stop_when())
+
             if server.front is not None:
-                server.front.run_here(stop_when=lambda: not server._thread.is_alive())
-            while server._thread.is_alive():  # no LLM (video only), or the engine loop ended first
+                server.front.run_here(stop_when=done)
+            while not done():  # no LLM (video only), or the engine loop ended first
                 server._thread.join(0.5)
         except KeyboardInterrupt:
             pass

@@ -103,3 +103,38 @@ def test_positional_model_and_llm_must_agree(capsys):
     assert "disagree" in capsys.readouterr().err
     assert main(["serve", "--gpu-memory-utilization", "1.5", "--port", "0", "--video", "none"]) == 2
     assert "(0, 1]" in capsys.readouterr().err
+
+
+def test_run_forever_serves_from_the_main_thread_until_stop_when():
+    """What ``metainfer-gen serve`` runs (the engine loop on this thread, uvicorn on another) answers a real client
+    with the offline engine's greedy text, returns once ``stop_when()`` is true and frees its port."""
+    import socket
+    import threading
+
+    from metainfer_gen.pipelines.text_generation import TextGenerationPipeline
+    from metainfer_gen.serve.server import LLMServer, ServeConfig, bind_socket
+
+    pipe = TextGenerationPipeline.from_pretrained(num_kv_blocks=64)
+    ref = pipe("The quick brown fox", max_new_tokens=6, temperature=0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    answers, deadline = [], time.monotonic() + 120
+
+    def ask():
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30) as c:
+            while time.monotonic() < deadline:
+                try:
+                    answers.append(c.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6,
+                                                        temperature=0).choices[0].text)
+                    return
+                except openai.APIConnectionError:  # not listening yet
+                    time.sleep(0.2)
+
+    asker = threading.Thread(target=ask, daemon=True)
+    asker.start()
+    LLMServer.run_forever(ServeConfig(port=port), log_level="warning", pipe=pipe,
+                          stop_when=lambda: bool(answers) or time.monotonic() > deadline)
+    asker.join(30)
+    assert answers == [ref.text]
+    bind_socket("127.0.0.1", port).close()  # closed: the port is free again
