@@ -7,7 +7,8 @@
 The model is serve_llm.py's random DeepSeek-V3 (576-wide latent), saved once under ``--workdir``; each batch is
 ``--num-prompts`` fresh random prompts (seeds 1, 2, ...) with greedy ``--output-len`` tokens (``ignore_eos``), after
 the engine's warm-up. Prints one line: the checkout, dtype, shapes and the seconds of every batch (the first batch
-of a process pays what the warm-up did not cover). Run the sides one after the other with nothing else running.
+of a process pays what the warm-up did not cover). Runs under the host allocator ``metainfer-gen serve`` uses
+(:func:`metainfer_gen.host_allocator.reexec`). Run the sides one after the other with nothing else running.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=4, help="greedy tokens per prompt (default 4)")
     parser.add_argument("--batches", type=int, default=3, help="batches in a row (default 3)")
     args = parser.parse_args(argv)
+    if argv is None:  # under the host allocator `metainfer-gen serve` runs with (tcmalloc where installed)
+        sys.path.insert(0, str(HERE.parent))
+        from metainfer_gen import host_allocator
+
+        host_allocator.reexec()
     sys.path.insert(0, str(HERE))
     from serve_models import random_large_pipeline, random_prompts
 

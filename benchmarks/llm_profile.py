@@ -5,7 +5,8 @@
 
 The model is serve_llm.py's random-large DeepSeek-V3 (576-wide latent), saved once under ``--workdir``; prompts are
 random token ids of 64-512 tokens with 32 greedy output tokens (``ignore_eos``), as that benchmark's C=64 batch. The
-engine is warmed up and runs one unprofiled batch first, so the profiled batch pays no compile. Prints the
+engine is warmed up and runs one unprofiled batch first, so the profiled batch pays no compile. Runs under the host
+allocator ``metainfer-gen serve`` uses (:func:`metainfer_gen.host_allocator.reexec`). Prints the run's header, the
 unprofiled and profiled batch seconds and the ops by self CPU time.
 """
 
@@ -20,7 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_models import random_large_pipeline, random_prompts  # noqa: E402
+from table import run_header  # noqa: E402
 
+from metainfer_gen import host_allocator  # noqa: E402
 from metainfer_gen.llm.sequence import SamplingParams  # noqa: E402
 
 
@@ -34,6 +37,9 @@ def main(argv: list[str] | None = None) -> None:
                         "the prefill-heavy row is 512,1024 with --output-len 4)")
     parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the engine's default)")
     args = parser.parse_args(argv)
+    if argv is None:  # under the host allocator `metainfer-gen serve` runs with (tcmalloc where installed)
+        host_allocator.reexec()
+    print(run_header())
     pipe, lo, hi = random_large_pipeline(args.workdir, args.num_prompts, args.prompt_lens, args.output_len,
                                          args.dtype)
     print(f"dtype {pipe.engine.dtype}")
