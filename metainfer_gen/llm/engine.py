@@ -82,6 +82,7 @@ class LLMEngine:
                                   eos_token_ids=eos_token_ids)
         self._requests: dict[str, Sequence] = {}
         self.compile_guard = contextlib.nullcontext  # every step runs in it: no_new_compiles once warmed up
+        self.warmup_report = None  # what warmup() ran, once it has
 
     # -- construction ---------------------------------------------------------------------------------------
     @classmethod
@@ -186,7 +187,7 @@ class LLMEngine:
         from metainfer_gen.kernels.common import no_new_compiles
         from metainfer_gen.llm.warmup import warm_up
 
-        report = warm_up(self)
+        report = self.warmup_report = warm_up(self)
         self.compile_guard = no_new_compiles
         return report
 

@@ -185,6 +185,11 @@ class LLMServer:
                                           daemon=True)
         previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
         server._thread.start()
+        report = None if server.front is None else getattr(server.front.engine, "warmup_report", None)
+        if report is not None:
+            print(f"warmed up in {report.seconds:.0f} s: {len(report.prefill_tokens)} prefill and "
+                  f"{len(report.decode_batches)} decode step shapes, {report.num_graphs_compiled} graphs compiled",
+                  flush=True)
         print(f"serving {server.model_name!r} on {server.base_url} (OpenAI API; /health, /metrics)", flush=True)
         try:
             def done() -> bool:
