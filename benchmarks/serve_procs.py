@@ -28,6 +28,28 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_for_model(base_url: str, timeout_s: float, alive=lambda: True) -> str:
+    """Poll ``{base_url}/models`` every half second until it answers 200; returns the first model's id.
+
+    Raises:
+        RuntimeError: ``alive()`` turned false, or ``timeout_s`` seconds passed.
+    """
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while alive():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{base_url} did not answer within {timeout_s:.0f} s")
+        try:
+            response = httpx.get(f"{base_url}/models", timeout=2.0)
+            if response.status_code == 200:
+                return response.json()["data"][0]["id"]
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("the server process ended")
+
+
 def thread_env(threads: int) -> dict[str, str]:
     """The environment of every process that computes: ``threads`` OpenMP / MKL threads."""
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
@@ -97,8 +119,6 @@ class ServerProcess:
         Raises:
             RuntimeError: the process exited first, or ``timeout_s`` passed (the log's tail in the message).
         """
-        import httpx
-
         start = time.perf_counter()
         log = open(log_path, "w")
         process = subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
@@ -106,20 +126,12 @@ class ServerProcess:
         log.close()
         server = cls(name, process, f"http://127.0.0.1:{port}/v1", log_path)
         try:
-            deadline = start + timeout_s
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {process.returncode} before serving:\n{server.log_tail()}")
-                if time.perf_counter() > deadline:
-                    raise RuntimeError(f"{name} did not answer within {timeout_s:.0f} s:\n{server.log_tail()}")
-                try:
-                    response = httpx.get(f"{server.base_url}/models", timeout=2.0)
-                    if response.status_code == 200:
-                        server.model = response.json()["data"][0]["id"]
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
+            server.model = wait_for_model(server.base_url, timeout_s, alive=lambda: process.poll() is None)
+        except RuntimeError as exc:
+            server.stop()
+            state = (f"exited with {process.returncode} before serving" if process.poll() is not None
+                     else f"did not answer within {timeout_s:.0f} s")
+            raise RuntimeError(f"{name} {state}:\n{server.log_tail()}") from exc
         except BaseException:
             server.stop()
             raise

@@ -84,18 +84,13 @@ class StepTimer:
 def client(url: str, prompts_file: str, output_len: int, concurrency: int, timeout_s: float = 900.0) -> None:
     """The child process: wait for the server, run the warm-up set, print ``warm``, run the measured set, print
     its wall seconds and answered count as JSON."""
-    import httpx
     from serve_client import run_load
+    from serve_procs import wait_for_model
 
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            model = httpx.get(f"{url}/models", timeout=2.0).json()["data"][0]["id"]
-            break
-        except (httpx.HTTPError, KeyError, ValueError):
-            if time.monotonic() > deadline:
-                sys.exit(f"the server at {url} did not answer within {timeout_s:.0f} s")
-            time.sleep(0.5)
+    try:
+        model = wait_for_model(url, timeout_s)
+    except RuntimeError as exc:
+        sys.exit(str(exc))
     warm, measured = json.loads(Path(prompts_file).read_text())
     run_load(url, model, warm, output_len, concurrency=concurrency, timeout_s=timeout_s)
     print("warm", flush=True)
@@ -103,7 +98,7 @@ def client(url: str, prompts_file: str, output_len: int, concurrency: int, timeo
     print(json.dumps([seconds, sum(r.ok for r in results)]), flush=True)
 
 
-def serve(path, sets, concurrency: int, output_len: int, top: int, dtype: str, cprofile: int,
+def serve(path, sets, concurrency: int, output_len: int, top: int, dtype: str | None, cprofile: int,
           switch: float | None) -> dict:
     from metainfer_gen.serve.server import LLMServer, ServeConfig
     from serve_procs import free_port
@@ -123,10 +118,10 @@ def serve(path, sets, concurrency: int, output_len: int, top: int, dtype: str, c
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    engine = {"max_model_len": 1024, **({} if dtype is None else {"dtype": dtype})}
     options = {} if switch is None else {"switch_interval_s": switch}
     try:
-        LLMServer.run_forever(ServeConfig(llm=path, port=port, max_num_seqs=top,
-                                          engine={"max_model_len": 1024, **({} if dtype is None else {"dtype": dtype})}, **options),
+        LLMServer.run_forever(ServeConfig(llm=path, port=port, max_num_seqs=top, engine=engine, **options),
                               log_level="warning", stop_when=lambda: child.poll() is not None)
     finally:
         timer.close()
@@ -143,7 +138,7 @@ def serve(path, sets, concurrency: int, output_len: int, top: int, dtype: str, c
     return {"seconds": seconds, "ok": num_ok, **timer.summary()}
 
 
-def offline(path, sets, concurrency: int, output_len: int, top: int, dtype: str) -> dict:
+def offline(path, sets, concurrency: int, output_len: int, top: int, dtype: str | None) -> dict:
     from metainfer_gen.llm import SamplingParams
     from metainfer_gen.pipelines.text_generation import TextGenerationPipeline
 

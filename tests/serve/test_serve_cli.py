@@ -114,17 +114,15 @@ def test_positional_model_and_llm_must_agree(capsys):
 def test_run_forever_serves_from_the_main_thread_until_stop_when():
     """What ``metainfer-gen serve`` runs (the engine loop on this thread, uvicorn on another) answers a real client
     with the offline engine's greedy text, returns once ``stop_when()`` is true and frees its port."""
-    import socket
     import threading
 
     from metainfer_gen.pipelines.text_generation import TextGenerationPipeline
     from metainfer_gen.serve.server import LLMServer, ServeConfig, bind_socket
+    from tests.serve.postgres_cluster import free_port
 
     pipe = TextGenerationPipeline.from_pretrained(num_kv_blocks=64)
     ref = pipe("The quick brown fox", max_new_tokens=6, temperature=0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     answers, deadline = [], time.monotonic() + 120
 
     def ask():
