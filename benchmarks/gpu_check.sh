@@ -24,9 +24,9 @@ run() {  # run STEP_NAME SECONDS command... ; records failure but keeps going
 if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   run doctor 60 "$PY" -m metainfer_gen.apps.cli doctor --strict
-  run "every op + end to end (cuda)" 300 "$PY" benchmarks/gpu_check.py
-  run "kernel table (cuda)" 240 "$PY" benchmarks/kernel_table.py --device cuda --dtypes float32,bfloat16
-  run "cuda test rows" 120 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -k cuda
+  run "every op + end to end (cuda)" 240 "$PY" benchmarks/gpu_check.py --devices cuda
+  run "kernel table (cuda)" 120 "$PY" benchmarks/kernel_table.py --device cuda --dtypes float32,bfloat16
+  run "cuda test rows" 90 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -k cuda
 else
   echo "no CUDA device: CUDA rows skipped, CPU paths only"
   run doctor 60 "$PY" -m metainfer_gen.apps.cli doctor

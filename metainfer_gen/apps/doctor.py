@@ -3,7 +3,9 @@
 For each registered op the doctor builds the op's example inputs (realistic sizes) on the default device -- CUDA
 when present, else CPU -- and asks the registry which implementation it would pick, without running anything. With
 ``--strict`` it exits 1 when any op would fall back from its fastest implementation, which makes it a CI gate for a
-GPU machine (on a CPU-only machine every Triton path is refused, so strict mode fails there by design).
+GPU machine (on a CPU-only machine every Triton path is refused, so strict mode fails there by design). An
+implementation built for another device (a oneDNN or C++ CPU kernel on a GPU) is not a path the inputs could take
+and is not counted.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def collect(device: str | None = None, dtype: str | None = None) -> dict:
             continue
         args, kwargs = op.example(device, getattr(torch, dtype))
         impl, refusals = op.select(*args, **kwargs)
-        ops.append(OpReport(op.name, op.description, impl.name, op.names[0],
+        ops.append(OpReport(op.name, op.description, impl.name, op.fastest_for(torch.device(device).type),
                             tuple((r.implementation, r.reason) for r in refusals)))
     return {
         "machine": {

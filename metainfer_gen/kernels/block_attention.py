@@ -143,11 +143,11 @@ def _example(device: str, dtype: torch.dtype):
 
 BLOCK_ATTENTION = register_op(Op("block_attention", "prefill attention over one block of keys, with its LSE",
                                  _example))
-BLOCK_ATTENTION.register("bmm-fused", _bmm_fused, _bmm_fused_supports,
+BLOCK_ATTENTION.register("bmm-fused", _bmm_fused, _bmm_fused_supports, devices=("cpu",),
                          description="bmm-blocks with its softmax in one C++ pass per row (bf16)")
-BLOCK_ATTENTION.register("bmm-blocks", _bmm_blocks, _bmm_blocks_supports,
+BLOCK_ATTENTION.register("bmm-blocks", _bmm_blocks, _bmm_blocks_supports, devices=("cpu",),
                          description="128 queries at a time, bf16 bmm (oneDNN), causal half skipped")
-BLOCK_ATTENTION.register("flash-cpu", _flash_cpu, _flash_cpu_supports,
+BLOCK_ATTENTION.register("flash-cpu", _flash_cpu, _flash_cpu_supports, devices=("cpu",),
                          description="PyTorch's fused CPU flash attention")
 BLOCK_ATTENTION.register("torch", block_attention_reference, description="the whole score matrix (einsum)")
 

@@ -75,7 +75,7 @@ def _example(device: str, dtype: torch.dtype):
 
 
 CONV3D = register_op(Op("conv3d", "3-D convolution (video VAE causal convs)", _example))
-CONV3D.register("onednn", conv3d_onednn, _onednn_supports,
+CONV3D.register("onednn", conv3d_onednn, _onednn_supports, devices=("cpu",),
                 description="torch.mkldnn_convolution where PyTorch's 2-D size rule picks slow_conv3d")
 CONV3D.register("torch", conv3d_reference, description="torch.nn.functional.conv3d")
 

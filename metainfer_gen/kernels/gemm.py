@@ -98,7 +98,7 @@ def _example(device: str, dtype: torch.dtype):
 
 
 LINEAR = register_op(Op("linear", "dense linear y = x W^T (+ b): rows padded to a bucket on oneDNN", _example))
-LINEAR.register("bucketed", linear_bucketed, bucketed_supports,
+LINEAR.register("bucketed", linear_bucketed, bucketed_supports, devices=("cpu",),
                 description="rows padded to a bucket, so oneDNN builds each bf16 kernel once")
 LINEAR.register("torch", F.linear, description="F.linear")
 

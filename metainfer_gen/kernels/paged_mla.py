@@ -160,7 +160,7 @@ PAGED_MLA_DECODE = register_op(Op("paged_mla_decode", "absorbed MLA decode over 
                                   _example))
 PAGED_MLA_DECODE.register("triton", paged_mla_decode_triton, paged_mla_decode_supports,
                           description="flash-decoding: (sequence, 16 heads, context split) programs, LSE merge")
-PAGED_MLA_DECODE.register("cpp", paged_mla_decode_cpp, paged_mla_decode_cpp_supports,
+PAGED_MLA_DECODE.register("cpp", paged_mla_decode_cpp, paged_mla_decode_cpp_supports, devices=("cpu",),
                           description="C++ on the CPU: blocks read in place, online softmax, pieces merged by LSE")
 PAGED_MLA_DECODE.register("torch-blocks", paged_mla_decode_blocks,
                           description="groups of blocks, online softmax, no padding past one group")

@@ -60,14 +60,34 @@ def _always(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _device_type(args: tuple, kwargs: dict) -> str | None:
+    """The device type of the first tensor among the arguments, None when there is none."""
+    import torch
+
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Implementation:
-    """One way to compute an op. ``supports(*args, **kwargs)`` -> None (applies) or the refusal reason."""
+    """One way to compute an op. ``supports(*args, **kwargs)`` -> None (applies) or the refusal reason.
+
+    ``devices``: the device types it is built for (``("cpu",)`` for a oneDNN or C++ kernel), None for any. On
+    inputs of another device type it is not a path this machine could take, so dispatch passes over it without a
+    refusal (cuBLAS running a GPU linear is the fast path there, not a fallback from a CPU kernel).
+    """
 
     name: str
     fn: Callable[..., Any]
     supports: Callable[..., str | None] = _always
     description: str = ""
+    devices: tuple[str, ...] | None = None
+
+    def built_for(self, device_type: str | None) -> bool:
+        """True when this implementation is built for ``device_type`` (None: unknown, counts as built for)."""
+        return self.devices is None or device_type is None or device_type in self.devices
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -94,15 +114,17 @@ class Op:
         self._decision_env: tuple | None = None
 
     def register(self, name: str, fn: Callable[..., Any], supports: Callable[..., str | None] | None = None, *,
-                 description: str = "", before: str | None = None) -> Implementation:
-        """Add an implementation at the end (the slowest so far) or just before the one named ``before``.
+                 description: str = "", before: str | None = None,
+                 devices: tuple[str, ...] | None = None) -> Implementation:
+        """Add an implementation at the end (the slowest so far) or just before the one named ``before``;
+        ``devices`` names the device types it is built for (see :class:`Implementation`), None for any.
 
         Raises:
             ValueError: ``name`` already registered for this op, or ``before`` unknown.
         """
         if any(i.name == name for i in self._impls):
             raise ValueError(f"{self.name}: implementation {name!r} already registered")
-        impl = Implementation(name, fn, supports or _always, description)
+        impl = Implementation(name, fn, supports or _always, description, devices)
         if before is None:
             self._impls.append(impl)
         else:
@@ -128,19 +150,28 @@ class Op:
         """The implementation called ``name`` (to call it directly in tests and benchmarks, bypassing dispatch)."""
         return self._impls[self._index(name)]
 
+    def fastest_for(self, device_type: str) -> str:
+        """The name of the fastest implementation built for ``device_type`` (the one dispatch runs when it
+        applies)."""
+        return next(i.name for i in self._impls if i.built_for(device_type))
+
     @property
     def reference(self) -> Implementation:
         """The last implementation: plain torch, always applicable, the ground truth for tests."""
         return self._impls[-1]
 
     def select(self, *args: Any, **kwargs: Any) -> tuple[Implementation, tuple[Refusal, ...]]:
-        """The implementation dispatch would run for these inputs, and the refusals of the faster ones.
+        """The implementation dispatch would run for these inputs, and the refusals of the faster ones; those built
+        for another device type than the first tensor argument's are passed over unrecorded.
 
         Raises:
             RuntimeError: no implementation applies (a registration bug: the last one should always apply).
         """
         refusals: list[Refusal] = []
+        device_type = _device_type(args, kwargs)
         for impl in self._impls:
+            if not impl.built_for(device_type):
+                continue
             reason = impl.supports(*args, **kwargs)
             if reason is None:
                 return impl, tuple(refusals)

@@ -56,7 +56,7 @@ def test_the_choice_follows_dtype_and_device_and_is_audited():
     assert set(entries) == {"bucketed", "torch"}
     assert "fp32" in entries["torch"].refusals[0].reason
     impl, refusals = LINEAR.select(torch.empty(2, 4, device="meta"), torch.empty(4, 4, device="meta"))
-    assert impl.name == "torch" and "device meta" in refusals[0].reason
+    assert impl.name == "torch" and refusals == ()  # a CPU kernel is no fast path not taken on another device
 
 
 def test_engine_layers_take_the_chosen_gemm(tmp_path):

@@ -191,3 +191,27 @@ def test_importing_the_package_probes_nothing_and_works_without_triton():
                             cwd=root)
     assert result.returncode == 0, result.stderr
     assert "refused triton: triton not installed" in result.stdout
+
+
+def test_an_implementation_built_for_another_device_is_passed_over_without_a_refusal():
+    op = Op("device_probe_op")
+    op.register("cpu-kernel", lambda x: x + 1, devices=("cpu",))
+    op.register("picky", lambda x: x + 2, lambda x: "never applies")
+    op.register("torch", lambda x: x + 3)
+    impl, refusals = op.select(torch.zeros(2))
+    assert impl.name == "cpu-kernel" and refusals == ()
+    impl, refusals = op.select(torch.zeros(2, device="meta"))  # a device the CPU kernel is not built for
+    assert impl.name == "torch" and [r.implementation for r in refusals] == ["picky"]
+    assert op.fastest_for("cpu") == "cpu-kernel" and op.fastest_for("cuda") == "picky"
+
+
+def test_cpu_kernels_are_not_fast_paths_on_a_gpu():
+    """On CUDA, cuBLAS / cuDNN / the torch reference are the fast paths for these ops, not fallbacks (the H200 check
+    saw doctor --strict fail on them)."""
+    for name, impl in (("linear", "bucketed"), ("conv3d", "onednn"), ("block_attention", "flash-cpu"),
+                       ("paged_mla_decode", "cpp")):
+        op = get_op(name)
+        assert op.implementation(impl).devices == ("cpu",)
+        assert op.fastest_for("cpu") != op.reference.name
+    assert get_op("linear").fastest_for("cuda") == "torch" and get_op("conv3d").fastest_for("cuda") == "torch"
+    assert get_op("block_attention").fastest_for("cuda") == "torch"
