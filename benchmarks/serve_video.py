@@ -9,7 +9,9 @@ overhead per clip is the API's time beyond rendering: (wall - sum of the workers
 ms and as a share of a clip's render time (the render seconds are measured inside the workers, claim to clip on
 disk, so the figure holds however loaded the machine is; the "vs CLI" column compares against the CLI's run, which
 a shared machine moves more). Served clips are compared with the CLI's clip of the same prompt and seed, decoded
-(max absolute difference in uint8 levels).
+(max absolute difference in uint8 levels). Both sides run under the host allocator ``metainfer-gen`` runs under
+(:func:`metainfer_gen.host_allocator.reexec`: the CLI re-executes itself, this script the same way, so the
+in-process server's spawned workers get it as ``metainfer-gen serve``'s do).
 
     python benchmarks/serve_video.py | tee benchmarks/results/serve_video.txt
 """
@@ -126,6 +128,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--presets", nargs="*", default=["balanced", "fastest"],
                         help="acceleration presets (rows at their own steps; the server at --video-workers auto)")
     args = parser.parse_args(argv)
+    if argv is None:
+        from metainfer_gen import host_allocator
+
+        host_allocator.reexec()
     from metainfer_gen.apps.video_serve_args import auto_video_workers
     print(run_header())
     started = time.time()

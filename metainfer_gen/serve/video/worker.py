@@ -97,8 +97,6 @@ def _die_with_parent(parent_pid: int) -> None:
 def worker_main(spec: WorkerSpec, stop) -> None:
     """Process entry point: serve jobs until ``stop`` (a multiprocessing Event) is set or the parent dies."""
     _die_with_parent(spec.parent_pid)
-    if spec.num_threads:
-        os.environ["OMP_NUM_THREADS"] = str(spec.num_threads)
     worker = VideoWorker(spec, stop)
     try:
         worker.store.listen()  # before the first claim: a job queued in between still wakes this worker

@@ -16,6 +16,7 @@ at its next check.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import socket
@@ -29,6 +30,8 @@ MAX_RESTARTS = 3  # per worker within RESTART_WINDOW_S
 RESTART_WINDOW_S = 300.0
 _SUPERVISE_S = 0.5
 log = logging.getLogger(__name__)
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # read by OpenMP and oneDNN/MKL when the child imports torch
+_ENV_LOCK = threading.Lock()  # the environment is process-wide: one spawn at a time sets and restores it
 
 
 def node_name() -> str:
@@ -38,6 +41,30 @@ def node_name() -> str:
 
 def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+@contextlib.contextmanager
+def thread_env(num_threads: int | None):
+    """Set :data:`_THREAD_VARS` to ``num_threads`` while a child is spawned, then restore them.
+
+    A spawned child imports torch (and with it OpenMP and oneDNN) while it unpickles its target, before any of its
+    own code runs; those libraries read their thread count from the environment then, so a worker told to use two
+    threads by a server started under ``OMP_NUM_THREADS=1`` must get it in the environment it starts with
+    (``torch.set_num_threads`` afterwards is not enough for every library). None: the environment as it is.
+    """
+    if not num_threads:
+        yield
+        return
+    saved = {name: os.environ.get(name) for name in _THREAD_VARS}
+    os.environ.update({name: str(num_threads) for name in _THREAD_VARS})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 class WorkerPool:
@@ -78,7 +105,8 @@ class WorkerPool:
         spec = self.make_spec(index)
         process = self._context.Process(target=self.target, args=(spec, self._stop), name=f"video-worker-{index}",
                                         daemon=True)
-        process.start()
+        with _ENV_LOCK, thread_env(spec.num_threads):
+            process.start()
         return process
 
     def _supervise(self) -> None:
