@@ -19,9 +19,8 @@ class KernelAcceleratorsMixin:
             transformer: the transformer blocks' fused adaLN, q/k norm and rotary kernels, and the condition
                 embedder's per-token timestep MLP once per distinct timestep (``kernels.timestep_embedding``).
             vae: the video VAE's causal 3-D convolutions through ``kernels.conv3d`` (oneDNN on the CPU, where
-                PyTorch's own size rule picks its slow path: the embedded model's decode 2.3-2.7x faster), its
-                channel norms through ``kernels.channel_rms_norm``, and its decoder run on several latent frames a
-                call instead of one (``video.fuse.wan_vae_decode``: the same clip, bounded activation memory).
+                PyTorch's own size rule picks its slow path: the embedded model's decode 2.3-2.7x faster) and its
+                channel norms through ``kernels.channel_rms_norm``.
             config: a ``video.fuse.FuseKernelsConfig`` choosing the ops (default: all).
         Modules that already carry the kernels (a pipeline made with ``from_pipe`` shares them) are left as they are.
         """

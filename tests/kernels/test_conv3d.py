@@ -71,8 +71,7 @@ def test_fused_wan_vae_decodes_as_the_stock_one_and_unfuses_exactly():
     z = torch.randn(1, 4, 3, 4, 4)
     with torch.no_grad():
         reference = vae.decode(z).sample
-        report = fuse_kernels(vae, FuseKernelsConfig(channel_norm=False, upsample=False, vae_decode_chunks=False))
-        # the convolutions alone
+        report = fuse_kernels(vae, FuseKernelsConfig(channel_norm=False, upsample=False))  # the convolutions alone
         assert report.num_fused == sum(type(m).__name__ == "WanCausalConv3d" for m in vae.modules()) > 0
         with audit() as log:
             fused = vae.decode(z).sample

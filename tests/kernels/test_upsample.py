@@ -53,7 +53,7 @@ def test_fused_wan_vae_upsamplers_decode_as_the_stock_ones_and_unfuse(dtype):
     vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1,
                            temperal_downsample=[True, False], attn_scales=[]).eval().to(dtype)
     z = torch.randn(1, 4, 3, 4, 4, dtype=dtype)
-    only = FuseKernelsConfig(conv3d=False, channel_norm=False, vae_decode_chunks=False)  # the upsamplers alone
+    only = FuseKernelsConfig(conv3d=False, channel_norm=False)  # the upsamplers alone
     with torch.no_grad():
         reference = vae.decode(z).sample
         report = fuse_kernels(vae, only)

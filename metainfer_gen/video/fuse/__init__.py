@@ -6,8 +6,8 @@
     unfuse_kernels(pipe.diffusers_pipeline.transformer)
 
 The ops themselves are model-agnostic and live in :mod:`metainfer_gen.kernels`; this package knows Wan's module
-contracts (:mod:`.wan`, :mod:`.wan_embedder`, :mod:`.wan_rope`, :mod:`.wan_vae`, :mod:`.wan_vae_decode`),
-registered here by class name; other families call :func:`register_fuser`. The fusers and diffusers load on the first fuse.
+contracts (:mod:`.wan`, :mod:`.wan_embedder`, :mod:`.wan_rope`, :mod:`.wan_vae`), registered here by class
+name; other families call :func:`register_fuser`. The fusers and diffusers load on the first fuse.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ WAN_FUSERS = {
     "WanCausalConv3d": "metainfer_gen.video.fuse.wan_vae:fuse_wan_causal_conv3d",
     "WanRMS_norm": "metainfer_gen.video.fuse.wan_vae:fuse_wan_rms_norm",
     "WanUpsample": "metainfer_gen.video.fuse.wan_vae:fuse_wan_upsample",
-    "AutoencoderKLWan": "metainfer_gen.video.fuse.wan_vae_decode:fuse_wan_vae_decode",
     "WanRotaryPosEmbed": "metainfer_gen.video.fuse.wan_rope:fuse_wan_rotary_table",
 }
 for _class_name, _fuser in WAN_FUSERS.items():

@@ -47,8 +47,6 @@ class FuseKernelsConfig:
             :mod:`metainfer_gen.kernels.channel_norm`).
         upsample: video VAEs: Wan's nearest upsampling in the feature map's dtype through ``upsample_nearest``
             (no float32 round trip; bit-identical, see :mod:`metainfer_gen.kernels.upsample`).
-        vae_decode_chunks: video VAEs: Wan's decoder run on several latent frames a call instead of one (the same
-            clip within float32 rounding, bounded activation memory; see :mod:`metainfer_gen.video.fuse.wan_vae_decode`).
         timestep_embedding: Wan's condition embedder: the per-token timestep MLP once per distinct timestep
             through ``timestep_embedding`` (see :mod:`metainfer_gen.kernels.timestep_embed`).
         rope_table: Wan's rotary position tables built once per token grid, not per call (exact; see
@@ -62,7 +60,6 @@ class FuseKernelsConfig:
     conv3d: bool = True
     channel_norm: bool = True
     upsample: bool = True
-    vae_decode_chunks: bool = True
     timestep_embedding: bool = True
     rope_table: bool = True
     strict: bool | None = None
