@@ -27,17 +27,22 @@ def add_plan_parser(subparsers) -> None:
                               description="From a config alone: weights and KV bytes per rank, prefill activation "
                                           "peak, longest context at a concurrency, collective traffic per "
                                           "TP/CP choice, and a prefill and a decode layout with reasons, against "
-                                          "one global TP setting with a 0.90 memory fraction.")
+                                          "one global TP setting with a 0.90 memory fraction. A DeepSeek-V4 "
+                                          "config gets how many sequences of --max-context tokens fit per rank "
+                                          "and on the host, per layout and weight format.")
     p.add_argument("--model", required=True, help="checkpoint directory or config .json")
     p.add_argument("--devices", type=int, default=8, help="devices on the host (default 8)")
     p.add_argument("--device-memory", default="48GiB", help="memory per device, e.g. 48GiB (default 48GiB)")
     p.add_argument("--interconnect", choices=("pcie", "nvlink"), default="pcie", help="device links (default pcie)")
     p.add_argument("--link-gbps", type=float, default=None, help="effective GB/s per rank (default: by interconnect)")
-    p.add_argument("--max-context", type=int, default=None, help="context to serve (default: report the longest)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="context to serve (default: report the longest; DeepSeek-V4: max_position_embeddings)")
     p.add_argument("--concurrency", type=int, default=1, help="sequences resident at once (default 1)")
     p.add_argument("--weights", choices=("auto", "bf16", "fp8", "int4"), default="auto",
-                   help="weight format (default auto: first of bf16, fp8, int4 that leaves room for KV)")
-    p.add_argument("--kv", choices=("bf16", "fp8"), default="fp8", help="KV format of the plan (default fp8)")
+                   help="weight format (default auto: first of bf16, fp8, int4 that leaves room for KV; "
+                        "DeepSeek-V4: rows for bf16 and fp8)")
+    p.add_argument("--kv", choices=("bf16", "fp8"), default="fp8",
+                   help="KV format of the plan, DeepSeek-V4's state values too (default fp8)")
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk, tokens per step (default 8192)")
     p.add_argument("--reserve", default="1.5GiB", help="runtime memory outside tensors per device (default 1.5GiB)")
     p.add_argument("--margin", type=float, default=0.02, help="fraction of device memory kept free (default 0.02)")
@@ -45,14 +50,37 @@ def add_plan_parser(subparsers) -> None:
     p.set_defaults(func=cmd_plan)
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    from metainfer_gen.llm.plan import Hardware, format_plan, make_plan
+def _plan_mla(cfg: dict, hw, args: argparse.Namespace) -> tuple[dict, str]:
+    from metainfer_gen.llm.plan import format_plan, make_plan
     from metainfer_gen.llm.plan_model import ModelDims
+
+    plan = make_plan(ModelDims.from_config(cfg), hw, concurrency=args.concurrency, max_context=args.max_context,
+                     weight_format=args.weights, kv_format=args.kv, chunk=args.chunk)
+    return plan, format_plan(plan)
+
+
+def _plan_v4(cfg: dict, hw, args: argparse.Namespace) -> tuple[dict, str]:
+    from metainfer_gen.llm.plan_v4_capacity import format_v4_plan, make_v4_plan
+    from metainfer_gen.llm.plan_v4_model import V4Dims
+
+    formats = ("bf16", "fp8") if args.weights == "auto" else (args.weights,)
+    plan = make_v4_plan(V4Dims.from_config(cfg), hw, context=args.max_context, weight_formats=formats,
+                        kv_format=args.kv, chunk=args.chunk)
+    return plan, format_v4_plan(plan)
+
+
+# model_type -> planner; anything else is planned as a DeepSeek-style MLA model (V3, V3.2, GLM-5).
+_PLANNERS = {"deepseek_v4": _plan_v4}
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from metainfer_gen.llm.plan import Hardware
+    from metainfer_gen.llm.plan_model import read_config
 
     hw = Hardware(num_devices=args.devices, device_memory=parse_bytes(args.device_memory),
                   interconnect=args.interconnect, reserve=parse_bytes(args.reserve), margin=args.margin,
                   link_gbps=args.link_gbps)
-    plan = make_plan(ModelDims.from_path(args.model), hw, concurrency=args.concurrency,
-                     max_context=args.max_context, weight_format=args.weights, kv_format=args.kv, chunk=args.chunk)
-    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    cfg = read_config(args.model)
+    plan, text = _PLANNERS.get(cfg.get("model_type"), _plan_mla)(cfg, hw, args)
+    print(json.dumps(plan, indent=2) if args.json else text)
     return 0

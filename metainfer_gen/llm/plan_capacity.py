@@ -22,7 +22,7 @@ from collections.abc import Callable
 from metainfer_gen.llm.plan_activations import decode_activation_bytes, prefill_activation_bytes
 from metainfer_gen.llm.plan_model import ModelDims
 
-__all__ = ["layout_limits", "step_activation_bytes"]
+__all__ = ["largest_fitting", "layout_limits", "step_activation_bytes"]
 
 
 def step_activation_bytes(d: ModelDims, chunk: int, seqs: int, context: int, tp: int, cp: int, dcp: int,
@@ -46,7 +46,7 @@ def _rows_per_token(concurrency: int, cp_prefill: int, dcp: int) -> float:
     return max((concurrency - 1) / dcp + 1 / cp_prefill, concurrency / dcp)
 
 
-def _largest(fits: Callable[[int], bool], upper: int) -> int:
+def largest_fitting(fits: Callable[[int], bool], upper: int) -> int:
     """The largest x in [0, upper] with ``fits(x)`` found by bisection, 0 when neither ``upper`` nor a smaller
     value fits; every nonzero result fits."""
     if upper <= 0 or fits(upper):
@@ -84,14 +84,14 @@ def layout_limits(d: ModelDims, budget: float, kv_tok: float, chunk: int, tp: in
 
     # The activation is least at context 0 and at one sequence, so these bound the searches from above.
     upper = int(room(0, concurrency)[1] // _rows_per_token(concurrency, cp, dcp))
-    uncapped = _largest(lambda x: fits(x, concurrency), upper)
-    longest = _largest(lambda x: fits(x, concurrency), min(upper, limit)) if limit else uncapped
+    uncapped = largest_fitting(lambda x: fits(x, concurrency), upper)
+    longest = largest_fitting(lambda x: fits(x, concurrency), min(upper, limit)) if limit else uncapped
     planned = target if target and uncapped >= target else longest or min(chunk, limit or chunk)
     conc = None
     if target:
         cap = room(target, 1)[1]
         bound = max(0, int(min((cap / target - 1 / cp) * dcp + 1, cap * dcp / target) + 1e-9))
-        conc = _largest(lambda c: fits(target, c), bound)
+        conc = largest_fitting(lambda c: fits(target, c), bound)
     left, tokens = room(planned, concurrency)
     return {"activation": budget - left, "kv_budget": max(0.0, left), "capacity_tokens": tokens,
             "planned_context": planned, "max_context": longest, "max_context_uncapped": uncapped,

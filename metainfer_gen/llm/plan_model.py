@@ -95,11 +95,7 @@ class ModelDims:
         Raises:
             FileNotFoundError: no such file or directory. ValueError: not a usable config.
         """
-        path = Path(path)
-        file = path / "config.json" if path.is_dir() else path
-        if not file.is_file():
-            raise FileNotFoundError(f"no config at {str(file)!r}; pass a checkpoint directory or a config .json")
-        return cls.from_config(json.loads(file.read_text()))
+        return cls.from_config(read_config(path))
 
     @property
     def num_moe_layers(self) -> int:
@@ -109,6 +105,19 @@ class ModelDims:
     def latent_row(self) -> int:
         """Latent-cache values per token and layer (576 for DeepSeek-V3)."""
         return self.kv_lora_rank + self.qk_rope
+
+
+def read_config(path: str | Path) -> dict:
+    """The config.json dict of a checkpoint directory, or of a config .json file.
+
+    Raises:
+        FileNotFoundError: no such file or directory. ValueError: not JSON.
+    """
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"no config at {str(file)!r}; pass a checkpoint directory or a config .json")
+    return json.loads(file.read_text())
 
 
 def _indexer_params(d: ModelDims) -> int:
