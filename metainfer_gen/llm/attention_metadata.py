@@ -35,6 +35,8 @@ class AttentionMetadata:
         prefill_rows: sequences with several new tokens, attended one by one (the expanded MLA path).
         prefill_slots: per prefill row, (context_len,) cache slots of its whole context.
         block_size: tokens per cache block.
+        seq_ids: per sequence, its ``Sequence.seq_id`` (empty for steps without sequences behind them: memory
+            profiling, warm-up); models with per-sequence state outside the pool key it by these (DeepSeek-V4).
     """
 
     positions: torch.Tensor
@@ -50,6 +52,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor
     decode_context_lens: torch.Tensor
     block_size: int
+    seq_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +68,7 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, starts: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int,
-              device: torch.device | str = "cpu") -> "AttentionMetadata":
+              device: torch.device | str = "cpu", seq_ids: list[int] | None = None) -> "AttentionMetadata":
         """Metadata for sequences that already hold ``starts[i]`` cached tokens and add ``query_lens[i]``.
 
         Raises:
@@ -103,4 +106,4 @@ class AttentionMetadata:
                    decode_tokens=torch.tensor([offsets[i] for i in decode_rows], dtype=torch.long, device=device),
                    prefill_rows=prefill_rows,
                    prefill_slots=prefill_slots, decode_block_tables=decode_tables, decode_context_lens=lens,
-                   block_size=block_size)
+                   block_size=block_size, seq_ids=tuple(seq_ids or ()))

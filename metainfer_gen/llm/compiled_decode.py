@@ -47,6 +47,9 @@ def compiled_decode_refusal(model, device: torch.device, tensor_parallel_size: i
     from metainfer_gen import platform
     from metainfer_gen.llm.layers.sparse_mla import SparseMLAttention
 
+    refusal = getattr(model, "static_decode_refusal", None)  # a model's own reason (DeepSeek-V4)
+    if refusal is not None:
+        return refusal
     if device.type != "cpu":
         return f"device {device.type}: decode steps there replay CUDA graphs instead (static_decode)"
     if platform.capabilities().cxx_compiler is None:

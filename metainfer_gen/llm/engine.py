@@ -22,6 +22,7 @@ from metainfer_gen.llm.block_manager import BlockManager
 from metainfer_gen.llm.compiled_decode import choose_decode_path
 from metainfer_gen.llm.config import EngineConfig
 from metainfer_gen.llm.layers.linear import configure_gemms
+from metainfer_gen.llm.model_refusals import prefix_caching_allowed, static_decode_allowed
 from metainfer_gen.llm.model_runner import ModelRunner, kv_cache_bytes_per_block
 from metainfer_gen.llm.outputs import RequestOutput
 from metainfer_gen.llm.scheduler import Scheduler
@@ -66,14 +67,15 @@ class LLMEngine:
                                       bytes_per_block=kv_cache_bytes_per_block(model, config.block_size,
                                                                                self.cache_dtype))
         num_blocks = self.kv_sizing.num_blocks
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.prefix_caching = prefix_caching_allowed(model, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.block_size, self.prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    max_model_len=max_model_len, eos_token_ids=eos_token_ids)
         self.decode_path = choose_decode_path(model, config, self.device)  # "compiled", "eager"; None on a GPU
         compiled = self.decode_path == "compiled"
-        static = bool(config.static_decode) or compiled  # on CUDA opt-in: see EngineConfig.static_decode
+        static = (bool(config.static_decode) or compiled) and static_decode_allowed(model)  # CUDA: opt-in
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size, dtype=self.cache_dtype,
                                   device=self.device, seed=config.seed, static_decode=static,
                                   cuda_graphs=static and self.device.type == "cuda" and not config.enforce_eager
@@ -96,7 +98,7 @@ class LLMEngine:
 
         config = config or EngineConfig()
         path = resolve_checkpoint(path_or_id)
-        model_config = load_config(path)
+        model_config = load_config(path, config)  # refuses settings the family cannot use yet, before any rank
         tp, device = _tensor_parallel(config)
         device = torch.device(config.device) if config.device else device
         dtype = getattr(torch, config.dtype) if config.dtype else native_dtype(device)

@@ -52,22 +52,29 @@ def resolve_checkpoint(path_or_id: str | Path) -> Path:
     return path
 
 
-def load_config(path: Path):
+def load_config(path: Path, engine_config=None):
     """The checkpoint's transformers config.
 
+    Args:
+        engine_config: an :class:`~metainfer_gen.llm.config.EngineConfig` whose settings the family must support
+            (None: not checked).
     Raises:
         ValueError: a model type the engine does not implement, or one it recognises but cannot run yet
-            (DeepSeek-V4: the message names what is missing; :mod:`~metainfer_gen.llm.models.families`).
+            (the message names what is missing; :mod:`~metainfer_gen.llm.models.families`), or engine settings
+            the family cannot use yet (DeepSeek-V4: tensor parallelism, FP8).
     """
     from transformers import AutoConfig
 
-    from metainfer_gen.llm.models.families import family_of
+    from metainfer_gen.llm.models.families import check_engine_settings, family_of
 
     config = AutoConfig.from_pretrained(path)
     try:
         family_of(config.model_type)
     except ValueError as exc:
         raise ValueError(f"{path}/config.json: {exc}") from None
+    if engine_config is not None:
+        check_engine_settings(config, tensor_parallel_size=engine_config.tensor_parallel_size,
+                              quantization=engine_config.quantization, kv_cache_dtype=engine_config.kv_cache_dtype)
     return config
 
 
@@ -178,6 +185,10 @@ def load_model(path: Path, config, *, dtype: torch.dtype, device: torch.device, 
             ``weight_scale_inv`` or with one of the wrong shape, or a weight stored in an integer dtype
             (:mod:`~metainfer_gen.llm.checkpoint_checks`, before anything is allocated).
     """
+    if config.model_type == "deepseek_v4":  # its own layout and names (llm/models/deepseek_v4_loader.py)
+        from metainfer_gen.llm.models.deepseek_v4_loader import load_v4_model
+
+        return load_v4_model(path, config, dtype=dtype, device=device, max_positions=max_positions)
     from metainfer_gen.llm.checkpoint import SafetensorsCheckpoint
     from metainfer_gen.llm.fp8 import checkpoint_quantization, choose_weight_format, record_weight_format
     from metainfer_gen.llm.models.deepseek_v3 import DeepseekV3ForCausalLM, RotaryTables

@@ -106,14 +106,18 @@ def measure_step_peak(model, starts: list[int], query_lens: list[int], block_siz
     shapes or allocations.
 
     Args:
-        model: the engine model (``forward(input_ids, meta, kv_caches)``, ``compute_logits``, ``cache_row_sizes``).
+        model: the engine model (``forward(input_ids, meta, kv_caches)``, ``compute_logits``, ``cache_row_sizes`` or
+            ``cache_layout``).
     Returns:
         bytes: on CUDA the caching allocator's reserved peak above what it held before (its rounding and
         fragmentation included; the cache is emptied first), elsewhere :class:`StorageTracker`'s peak.
     """
     from metainfer_gen.llm.attention_metadata import AttentionMetadata
 
-    caches = [torch.zeros(1, block_size, 1, row, dtype=dtype, device=device) for row in model.cache_row_sizes]
+    from metainfer_gen.llm.model_runner import cache_layout
+
+    caches = [torch.zeros(1, slots, 1, row, dtype=dtype, device=device)
+              for slots, row in cache_layout(model, block_size)]
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (sum(query_lens),), generator=generator).to(device)
     tables = [[0] * -(-(s + n) // block_size) for s, n in zip(starts, query_lens)]

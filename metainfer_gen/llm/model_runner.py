@@ -20,10 +20,19 @@ from metainfer_gen.llm.scheduler import SchedulerOutput
 log = logging.getLogger(__name__)
 
 
+def cache_layout(model, block_size: int) -> list[tuple[int, int]]:
+    """(slots per block, values per slot) of each KV pool tensor: the model's own ``cache_layout(block_size)``
+    where it has one (DeepSeek-V4: window rows and compacted compressed entries), else one (block_size, row) per
+    ``cache_row_sizes`` entry (MLA latent, + indexer key on DSA layers)."""
+    if hasattr(model, "cache_layout"):
+        return model.cache_layout(block_size)
+    return [(block_size, row) for row in model.cache_row_sizes]
+
+
 def kv_cache_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes across all layers (each layer's row: MLA latent, + indexer key on DSA layers)."""
+    """Bytes one KV block takes across all pool tensors (:func:`cache_layout`)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return sum(model.cache_row_sizes) * block_size * element
+    return sum(slots * row for slots, row in cache_layout(model, block_size)) * element
 
 
 class ModelRunner:
@@ -52,8 +61,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         sink = 1 if compiled_decode else 0  # a block past the pool: the padding rows of compiled steps write there
-        self.kv_caches = [torch.zeros(num_blocks + sink, block_size, 1, row, dtype=dtype, device=device)
-                          for row in model.cache_row_sizes]
+        self.kv_caches = [torch.zeros(num_blocks + sink, slots, 1, row, dtype=dtype, device=device)
+                          for slots, row in cache_layout(model, block_size)]
         self._default_generator = torch.Generator().manual_seed(seed)
         self.sampler = Sampler()
         self._generators: dict[int, torch.Generator] = {}
@@ -74,15 +83,19 @@ class ModelRunner:
         return gen
 
     def release(self, seq) -> None:
-        """Forget a finished sequence's generator."""
+        """Forget a finished sequence's generator, and its per-sequence model state where the model keeps one
+        (``release_sequence``: DeepSeek-V4's compressor buffers)."""
         self._generators.pop(seq.seq_id, None)
+        if hasattr(self.model, "release_sequence"):
+            self.model.release_sequence(seq.seq_id)
 
     def build_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata]:
         ids: list[int] = []
         for item in out.scheduled:
             ids.extend(item.seq.token_ids[item.start: item.start + item.num_tokens])
         meta = AttentionMetadata.build([i.start for i in out.scheduled], [i.num_tokens for i in out.scheduled],
-                                       [i.seq.block_table for i in out.scheduled], self.block_size, self.device)
+                                       [i.seq.block_table for i in out.scheduled], self.block_size, self.device,
+                                       seq_ids=[i.seq.seq_id for i in out.scheduled])
         return torch.tensor(ids, dtype=torch.long, device=self.device), meta
 
     @torch.inference_mode()
@@ -107,6 +120,9 @@ class ModelRunner:
         A row that cannot be sampled (its logits are not finite, or computing its row raised) gets no token: its
         ``seq_id`` is in ``last_errors`` with the reason, and every other row is sampled as if it were alone.
         """
+        if out.preempted and hasattr(self.model, "release_sequence"):  # recomputed from 0: its state goes now
+            for seq in out.preempted:
+                self.model.release_sequence(seq.seq_id)
         logits, rows = self.forward_logits(out)
         self.last_logprobs, self.last_errors = {}, {}
         if not rows:

@@ -36,7 +36,7 @@ def test_doctor_prints_machine_versions_and_every_op(capsys):
     for op in OPS:
         assert op in out
     assert "model glm_moe_dsa   attention: MLA + DSA: indexer (interleaved rope)" in out
-    assert "model deepseek_v4   not supported yet: lacks paged caches for its attention state" in out
+    assert "model deepseek_v4   attention: sliding-window K=V rows + compressed entries" in out
     if not torch.cuda.is_available():
         assert "refused triton: CPU-only machine" in out
         assert "rms_norm             runs compiled" in out  # example inputs are large enough to compile

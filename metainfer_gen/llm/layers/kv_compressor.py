@@ -1,7 +1,8 @@
 """DeepSeek-V4's KV compressor: one compressed KV entry per ``rate`` tokens of a sequence, carried across chunks.
 
 A building block of V4's compressed sparse attention (CSA, ``rate`` 4, overlapping windows) and heavily compressed
-attention (HCA, ``rate`` 128); the engine does not load V4 yet (``models/families.py`` says what is missing).
+attention (HCA, ``rate`` 128), in the reference path and in the engine (which projects a step's tokens once and
+feeds each sequence's to :meth:`KVCompressor.compress`).
 
 Per token the compressor projects ``kv`` and a ``gate`` (``width`` values each); a closed window of ``rate`` tokens
 becomes one entry ``kv_norm(sum_j softmax_j(gate_j + position_bias) * kv_j)`` (softmax over the window's tokens in
@@ -82,7 +83,12 @@ class KVCompressor(nn.Module):
         Returns:
             (W, head_dim) in ``x.dtype``: the entries of the windows these tokens close (W may be 0).
         """
-        kv, gate = self.kv_proj(x), self.gate_proj(x)
+        return self.compress(self.kv_proj(x), self.gate_proj(x), state, cos, sin)
+
+    def compress(self, kv: torch.Tensor, gate: torch.Tensor, state: CompressorState, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` after the projections (the engine projects every sequence's tokens in one batch):
+        kv, gate (T, width) of one sequence's next T tokens -> (W, head_dim) entries of the windows they close."""
         if state.kv is not None:
             kv, gate = torch.cat([state.kv, kv]), torch.cat([state.gate, gate])
         usable = kv.shape[0] // self.rate * self.rate
@@ -98,7 +104,7 @@ class KVCompressor(nn.Module):
         entries = self.kv_norm((kv * weights).sum(dim=1))  # (W, head_dim)
         first = state.num_entries
         state.num_entries += num_windows
-        positions = torch.arange(first, first + num_windows, device=x.device) * self.rate
+        positions = torch.arange(first, first + num_windows, device=kv.device) * self.rate
         return self._rotate(entries, cos[positions], sin[positions])
 
     def _overlap(self, kv: torch.Tensor, gate: torch.Tensor, state: CompressorState):

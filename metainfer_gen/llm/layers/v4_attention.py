@@ -10,8 +10,9 @@ q LoRA and an unweighted per-head RMSNorm; rope is partial (the trailing ``rope_
 the query's position) before the grouped low-rank output projection (``o_groups`` blocks to ``o_lora_rank`` each,
 then ``o_b_proj``). A learned per-head sink logit joins each softmax.
 
-Not yet here: paging (the window and the entries live in per-sequence tensors, :class:`AttentionState`), batching
-several sequences, tensor parallelism, FP8. Source: DeepSeek-V4 paper section 2.3; transformers 5.24
+Here the window and the entries live in per-sequence tensors (:class:`AttentionState`), one sequence at a time;
+the engine's paged, batched form of the same computation is :mod:`metainfer_gen.llm.layers.v4_paged_attention`.
+Not yet: tensor parallelism, FP8. Source: DeepSeek-V4 paper section 2.3; transformers 5.24
 ``DeepseekV4Attention``, ``DeepseekV4Indexer``, ``eager_attention_forward`` (the correctness reference).
 """
 
@@ -79,11 +80,20 @@ class Indexer(KVCompressor):
 
     def select(self, x, q_resid, keys, positions, cos, sin) -> torch.Tensor:
         """(T, W) bool: the entries each query attends to (its top-k among those complete before it)."""
+        return self.pick(*self.queries(x, q_resid, cos, sin), keys, positions)
+
+    def queries(self, x, q_resid, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, hidden), q_resid (T, q_lora_rank), cos/sin (T, rope_dim / 2) "compress" rope at the queries'
+        positions -> (q (T, H_i, D_i) in x's dtype, head weights (T, H_i) float32)."""
         q = rotate_tail(self.q_b_proj(q_resid).view(x.shape[0], self.num_heads, self.head_dim), cos, sin)
+        return q, self.scorer.weights_proj(x).float() * self.num_heads ** -0.5
+
+    def pick(self, q, weights, keys, positions) -> torch.Tensor:
+        """:meth:`select` from :meth:`queries`' output: keys (W, D_i) of entries 0 .. W - 1, positions (T,)
+        -> (T, W) bool."""
         scores = torch.relu(q.float() @ keys.float().T) * self.head_dim ** -0.5  # (T, H_i, W)
-        weights = self.scorer.weights_proj(x).float() * self.num_heads ** -0.5
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # (T, W)
-        visible = torch.arange(keys.shape[0], device=x.device)[None] < ((positions + 1) // self.rate)[:, None]
+        visible = torch.arange(keys.shape[0], device=q.device)[None] < ((positions + 1) // self.rate)[:, None]
         picked = scores.masked_fill(~visible, float("-inf")).topk(min(self.topk, keys.shape[0]), dim=-1).indices
         return torch.zeros_like(visible).scatter_(1, picked, True) & visible
 
@@ -137,12 +147,8 @@ class V4Attention(nn.Module):
                 ) -> torch.Tensor:
         """x (T, hidden): the sequence's next T tokens at ``positions`` (T,) (consecutive, after every token
         ``state`` has seen); tables: {"main"/"compress": (cos, sin) (max_positions, rope_dim / 2)}. -> (T, hidden)."""
-        num_tokens = x.shape[0]
         cos, sin = (t[positions] for t in tables[self.rope_type])
-        q_resid = self.q_a_norm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).view(num_tokens, self.num_heads, self.head_dim)
-        q = rotate_tail(unweighted_rms_norm(q, self.eps), cos, sin)
-        kv = rotate_tail(self.kv_norm(self.kv_proj(x)).unsqueeze(1), cos, sin)[:, 0]  # (T, D)
+        q, q_resid, kv = self.project(x, cos, sin)
         keys = kv if state.window is None else torch.cat([state.window, kv])
         state.window = keys[-(self.window - 1):] if self.window > 1 else keys[:0]
         key_pos = torch.arange(int(positions[-1]) + 1 - keys.shape[0], int(positions[-1]) + 1, device=x.device)
@@ -150,8 +156,22 @@ class V4Attention(nn.Module):
         if self.compressor is not None:
             entries, entry_visible = self._compressed(x, q_resid, positions, state, tables["compress"])
             keys, visible = torch.cat([keys, entries]), torch.cat([visible, entry_visible], dim=1)
-        out = self._attend(q, keys, visible)
-        out = rotate_tail(out, cos, -sin).view(num_tokens, self.o_groups, -1)
+        return self.project_out(self._attend(q, keys, visible), cos, sin)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, hidden), cos/sin (T, rope_dim / 2) of this layer's rope at the tokens' positions -> (q (T, N, D)
+        normed and rotated, q_resid (T, q_lora_rank) for the indexer, the shared K=V row kv (T, D) rotated)."""
+        q_resid = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(x.shape[0], self.num_heads, self.head_dim)
+        q = rotate_tail(unweighted_rms_norm(q, self.eps), cos, sin)
+        kv = rotate_tail(self.kv_norm(self.kv_proj(x)).unsqueeze(1), cos, sin)[:, 0]
+        return q, q_resid, kv
+
+    def project_out(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Attention output (T, N, D) -> (T, hidden): rope undone at the queries' positions, then the grouped
+        low-rank projection."""
+        out = rotate_tail(out, cos, -sin).view(out.shape[0], self.o_groups, -1)
         weight = self.o_a_proj.weight.view(self.o_groups, -1, out.shape[-1])  # (g, o_lora_rank, N D / g)
         return self.o_b_proj(torch.einsum("tgi,goi->tgo", out, weight.to(out.dtype)).flatten(1))
 

@@ -2,10 +2,9 @@
 
 The first V4 increment (``docs/llm_engine.md``): every V4 layer type on the engine's layers, with its state
 (sliding-window keys, compressor buffers, compressed entries, indexer keys) in per-sequence tensors
-(:class:`~metainfer_gen.llm.layers.v4_attention.AttentionState`), token-exact with transformers. It is not the
-engine model: no paged caches, no batching, no tensor parallelism, no FP8, no loader (weights come from a
-transformers state dict, :meth:`DeepseekV4Reference.from_hf`); ``LLMEngine.from_pretrained`` still refuses V4 and
-names what is missing (``models/families.py``).
+(:class:`~metainfer_gen.llm.layers.v4_attention.AttentionState`), token-exact with transformers; weights come from
+a transformers state dict (:meth:`DeepseekV4Reference.from_hf`). The engine's V4 model, on the same modules, is
+:mod:`metainfer_gen.llm.models.deepseek_v4_engine` (paged caches, batched steps).
 
 Structure per layer (transformers ``DeepseekV4DecoderLayer``): ``hc_mult`` residual streams; the attention hyper-
 connection collapses them into the attention input and merges its output back, then the MLP's does the same;
@@ -14,6 +13,9 @@ Source: transformers 5.24 ``modeling_deepseek_v4.py`` (the correctness reference
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -51,11 +53,12 @@ class V4DecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(*hc)
         self.ffn_hc = HyperConnection(*hc)
 
-    def forward(self, streams, input_ids, positions, state: AttentionState, tables) -> torch.Tensor:
-        """streams (T, hc_mult, hidden) -> (T, hc_mult, hidden)."""
+    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor,
+                attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """streams (T, hc_mult, hidden) -> (T, hc_mult, hidden); ``attend`` maps the normed attention input
+        (T, hidden) to the attention output (T, hidden) (this path's state, or the engine's paged caches)."""
         post, comb, h = self.attn_hc(streams)
-        streams = HyperConnection.merge(post, comb, self.self_attn(self.input_layernorm(h), positions, state, tables),
-                                        streams)
+        streams = HyperConnection.merge(post, comb, attend(self.input_layernorm(h)), streams)
         post, comb, h = self.ffn_hc(streams)
         return HyperConnection.merge(post, comb, self.mlp(self.post_attention_layernorm(h), input_ids), streams)
 
@@ -72,10 +75,13 @@ class V4Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class DeepseekV4Reference(nn.Module):
-    """DeepSeek-V4 for one sequence; ``config`` is a transformers ``DeepseekV4Config``.
+class V4CausalLM(nn.Module):
+    """The modules every V4 causal LM holds (checkpoint names ``model.*``, ``lm_head``) and its rope tables; the
+    reference path below and the engine's model
+    (:class:`~metainfer_gen.llm.models.deepseek_v4_engine.DeepseekV4ForCausalLM`) differ in their forward only.
 
     Args:
+        config: a transformers ``DeepseekV4Config``.
         max_positions: size of the rope tables (the longest sequence it can run).
     Raises:
         ValueError: a layer or MLP type V4 does not define (from the layers).
@@ -87,6 +93,10 @@ class DeepseekV4Reference(nn.Module):
         self.model = V4Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = V4RotaryTables(config, max_positions)
+
+
+class DeepseekV4Reference(V4CausalLM):
+    """DeepSeek-V4 for one sequence (see :class:`V4CausalLM` for the arguments)."""
 
     @classmethod
     def from_hf(cls, hf_model, max_positions: int) -> "DeepseekV4Reference":
@@ -121,7 +131,8 @@ class DeepseekV4Reference(nn.Module):
         x = self.model.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.model.hc_mult, -1).contiguous()
         for layer, layer_state in zip(self.model.layers, state):
-            streams = layer(streams, input_ids, positions, layer_state, self.rotary.tables)
+            streams = layer(streams, input_ids, partial(layer.self_attn, positions=positions, state=layer_state,
+                                                        tables=self.rotary.tables))
         return self.lm_head(self.model.norm(self.model.hc_head(streams))).float()
 
     def greedy(self, prompt: list[int], max_new_tokens: int, chunk: int | None = None) -> list[int]:

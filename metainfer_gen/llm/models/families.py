@@ -5,12 +5,12 @@ One table, read by the loader (which types load), the model (which attention cla
 no torch, so the CLI can list it without importing the model code.
 
 Sources: transformers 5.24 ``modeling_deepseek_v3.py``, ``modeling_deepseek_v32.py``, ``modeling_glm_moe_dsa.py``
-(the correctness references) and ``modeling_deepseek_v4.py`` (what the unsupported family needs).
+and ``modeling_deepseek_v4.py`` (the correctness references).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 AUDIT_OP = "llm_attention"
 AUDIT_SITE = "llm.model"
@@ -27,6 +27,8 @@ class ModelFamily:
         indexer_rope_interleaved: the indexer rotates its rope dims in interleaved pairs (GLM-5) rather than
             half-split (DeepSeek-V3.2); MLA's own rope follows ``config.rope_interleave`` in both.
         missing: None when the engine runs the family; else what it lacks (loading raises with this text).
+        not_yet: engine features the family cannot use yet ("tensor_parallel", "fp8"), each with why
+            (:func:`check_engine_settings` refuses settings that need them).
     """
 
     model_type: str
@@ -34,19 +36,18 @@ class ModelFamily:
     sparse: bool = False
     indexer_rope_interleaved: bool = False
     missing: str | None = None
+    not_yet: dict[str, str] = field(default_factory=dict)
 
     @property
     def supported(self) -> bool:
         return self.missing is None
 
 
-_V4_MISSING = (
-    "paged caches for its attention state (the 128-token sliding window, the 4x-compressed CSA entries with their "
-    "indexer keys, the 128x-compressed HCA entries and the compressor buffers between chunks, which transformers "
-    "keeps in DeepseekV4CSACache / DeepseekV4HCACache), batched steps, tensor parallelism, FP8 weights and the "
-    "streamed loader for its layout; its layers (compressed sparse and heavily compressed attention, partial rotary, "
-    "the grouped output projection o_lora_rank / o_groups, hyper-connections, hash-routed experts, swiglu_limit) "
-    "run only in the one-sequence reference path metainfer_gen/llm/models/deepseek_v4.py")
+_V4_ATTENTION = ("sliding-window K=V rows + compressed entries (CSA: the indexer's top-k of the 4x entries, HCA: "
+                 "all 128x entries) over the paged pool, per sequence; compressor buffers in a per-sequence table")
+# What the engine does not do for V4 yet; settings that need it are refused (check_engine_settings).
+_V4_NOT_YET = {"tensor_parallel": "its attention state, hyper-connections and experts are not sharded yet",
+               "fp8": "its layers have no FP8 weights or FP8 KV cache yet"}
 
 FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     ModelFamily("deepseek_v3", "MLA over the paged latent cache (absorbed decode, cheaper-form prefill)"),
@@ -55,7 +56,7 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     ModelFamily("glm_moe_dsa", "MLA + DSA: indexer (interleaved rope) on indexer_types 'full' layers, 'shared' "
                                "layers reuse the previous full layer's top-k; absorbed sparse MLA", sparse=True,
                 indexer_rope_interleaved=True),
-    ModelFamily("deepseek_v4", "not supported", missing=_V4_MISSING),
+    ModelFamily("deepseek_v4", _V4_ATTENTION, not_yet=_V4_NOT_YET),
 )}
 
 
@@ -74,6 +75,30 @@ def family_of(model_type: str) -> ModelFamily:
         raise ValueError(f"model_type {model_type!r} is recognised but the engine cannot run it yet: it lacks "
                          f"{family.missing}. Supported: {supported}")
     return family
+
+
+def check_engine_settings(config, *, tensor_parallel_size: int = 1, quantization: str | None = None,
+                          kv_cache_dtype: str = "auto") -> None:
+    """Refuse engine settings a loaded ``config``'s family cannot use yet (before any process group or weight).
+
+    Raises:
+        ValueError: tensor parallelism, FP8 weights (asked, or declared by the checkpoint's
+            ``quantization_config``) or an FP8 KV cache for a family whose ``not_yet`` names them; the message
+            says why and what to set instead.
+    """
+    family = FAMILIES[config.model_type]
+    name = config.model_type
+    if tensor_parallel_size > 1 and "tensor_parallel" in family.not_yet:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: not yet for {name} "
+                         f"({family.not_yet['tensor_parallel']}); use tensor_parallel_size=1")
+    if "fp8" in family.not_yet:
+        declared = getattr(config, "quantization_config", None)
+        asked = {"quantization='fp8'": quantization == "fp8", "kv_cache_dtype='fp8'": kv_cache_dtype == "fp8",
+                 f"a checkpoint quantised as {declared!r}": bool(declared)}
+        for what, used in asked.items():
+            if used:
+                raise ValueError(f"{what}: not yet for {name} ({family.not_yet['fp8']}); use a bf16/fp32 "
+                                 f"checkpoint with quantization=None and kv_cache_dtype='auto'")
 
 
 def attention_path(config) -> str:

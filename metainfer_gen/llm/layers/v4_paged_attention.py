@@ -1,0 +1,140 @@
+"""DeepSeek-V4 attention over the engine's paged pool: a flat batch of several sequences' new tokens.
+
+The same computation as the reference path (:class:`~metainfer_gen.llm.layers.v4_attention.V4Attention`, token-exact
+with transformers' ``DeepseekV4Attention``), with its state moved into the paged KV pool, addressed through each
+sequence's block table (:class:`~metainfer_gen.llm.attention_metadata.AttentionMetadata`):
+
+- every layer: the K=V row (``head_dim``) of every token, at the token's slot (``meta.slot_mapping``); the sliding
+  window reads positions ``max(0, p - sliding_window + 1) .. p`` back through the block table;
+- compressed layers: entry ``e`` of rate ``r`` at the block holding token ``e r``, compacted to
+  ``ceil(block_size / r)`` entry slots a block (slot ``(e r mod block_size) // r``); on CSA layers an entry's row
+  is its ``head_dim`` values followed by its ``index_head_dim`` indexer key.
+
+What does not fit a block (the compressor's pending tokens, fewer than ``r`` projected rows, and CSA's last Ca
+half) is a per-sequence :class:`~metainfer_gen.llm.layers.kv_compressor.CompressorState`, passed in by the model
+(:mod:`metainfer_gen.llm.models.deepseek_v4_engine` says where it lives). The projections run once over all T
+tokens; the window grouping of the compressors, the indexer's top-k and the attention itself run sequence by
+sequence (their key sets differ per sequence). Source: transformers 5.24 ``DeepseekV4Attention`` and its caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from metainfer_gen.llm.layers.kv_compressor import CompressorState
+from metainfer_gen.llm.layers.v4_attention import CSACompressor, V4Attention
+
+
+def entry_slots_per_block(block_size: int, rate: int) -> int:
+    """Compressed entries a block holds: ``ceil(block_size / rate)`` (one when ``rate >= block_size``)."""
+    return -(-block_size // rate)
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceView:
+    """One sequence of the step: its rows ``rows`` of the flat batch, ``start`` tokens already cached,
+    ``slots`` (context_len,) int64 cache slot of every position of its context."""
+
+    rows: slice
+    start: int
+    slots: torch.Tensor
+
+    @property
+    def context_len(self) -> int:
+        return int(self.slots.numel())
+
+
+def sequence_views(meta) -> list[SequenceView]:
+    """Per scheduled sequence of ``meta`` (in batch order), its rows and the slots of its whole context."""
+    slots: dict[int, torch.Tensor] = dict(zip(meta.prefill_rows, meta.prefill_slots))
+    if meta.decode_rows:
+        decode = meta.decode_slots()
+        for k, i in enumerate(meta.decode_rows):
+            slots[i] = decode[k, : meta.context_lens[i]]
+    offsets = meta.query_offsets
+    return [SequenceView(slice(offsets[i], offsets[i + 1]), meta.starts[i], slots[i])
+            for i in range(len(meta.starts))]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCaches:
+    """One layer's pool tensors: ``window`` (num_blocks, block_size, 1, head_dim); ``entries`` (num_blocks,
+    entry_slots_per_block, 1, head_dim [+ index_head_dim on CSA]) on compressed layers, else None."""
+
+    window: torch.Tensor
+    entries: torch.Tensor | None = None
+
+
+def paged_v4_attention(attn: V4Attention, x: torch.Tensor, meta, views: list[SequenceView], caches: LayerCaches,
+                       states: list[tuple[CompressorState, CompressorState] | None], rope: dict) -> torch.Tensor:
+    """One V4 attention layer over a flat batch.
+
+    Args:
+        attn: the layer's weights (the reference module).
+        x: (T, hidden) the normed attention input of every new token.
+        meta: the step's :class:`~metainfer_gen.llm.attention_metadata.AttentionMetadata`.
+        views: :func:`sequence_views` of ``meta``.
+        caches: the layer's pool tensors; the new K=V rows, entries and indexer keys are written into them.
+        states: per sequence (batch order), its (compressor, indexer) states on a compressed layer (the indexer's
+            is unused on HCA), updated in place; None entries on a sliding layer.
+        rope: {"main"/"compress": (cos, sin) (T, rope_dim / 2) at the tokens' positions, "tables": the full
+            {"main"/"compress": (cos, sin) (max_positions, rope_dim / 2)}}.
+    Returns:
+        (T, hidden) in x's dtype.
+    Raises:
+        RuntimeError: a sequence whose compressor state does not end where its cached tokens do.
+    """
+    cos, sin = rope[attn.rope_type]
+    q, q_resid, kv = attn.project(x, cos, sin)
+    window = caches.window.view(-1, caches.window.shape[-1])
+    window[meta.slot_mapping] = kv.to(window.dtype)
+    comp = attn.compressor
+    projected = None
+    if comp is not None:
+        projected = [comp.kv_proj(x), comp.gate_proj(x)]
+        if isinstance(comp, CSACompressor):
+            indexer = comp.indexer
+            projected += [indexer.kv_proj(x), indexer.gate_proj(x), *indexer.queries(x, q_resid, *rope["compress"])]
+    positions = meta.positions
+    out = torch.empty_like(q)
+    for view, state in zip(views, states):
+        rows = view.rows
+        lo = max(0, view.start - attn.window + 1)
+        keys = window[view.slots[lo:]].to(q.dtype)
+        key_pos = torch.arange(lo, view.context_len, device=x.device)
+        pos = positions[rows]
+        visible = (key_pos[None] <= pos[:, None]) & (key_pos[None] > pos[:, None] - attn.window)
+        if comp is not None:
+            entries, entry_visible = _compressed(attn, view, state, [p[rows] for p in projected], caches.entries,
+                                                 meta.block_size, pos, rope["tables"]["compress"])
+            keys, visible = torch.cat([keys, entries]), torch.cat([visible, entry_visible], dim=1)
+        out[rows] = attn._attend(q[rows], keys, visible)
+    return attn.project_out(out, cos, sin)
+
+
+def _compressed(attn: V4Attention, view: SequenceView, state, projected: list[torch.Tensor], cache: torch.Tensor,
+                block_size: int, pos: torch.Tensor, tables) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed one sequence's new tokens to the layer's compressor(s), store the entries they close, and read back
+    every entry complete so far: (entries (W, head_dim), (T_i, W) which ones each query sees)."""
+    comp, (comp_state, index_state) = attn.compressor, state
+    rate, head_dim = comp.rate, comp.head_dim
+    pending = 0 if comp_state.kv is None else comp_state.kv.shape[0]
+    if comp_state.num_entries * rate + pending != view.start:
+        raise RuntimeError(f"compressor state holds {comp_state.num_entries * rate + pending} tokens but the "
+                           f"sequence has {view.start} cached: its state was lost or reused")
+    first = comp_state.num_entries
+    new = comp.compress(projected[0], projected[1], comp_state, *tables)
+    rows = cache.view(-1, cache.shape[-1])
+    num = view.context_len // rate
+    slots = view.slots[: num * rate: rate]  # the slot of token e r, for every complete entry e
+    index = slots // block_size * cache.shape[1] + slots % block_size // rate  # its compact entry slot
+    rows[index[first:], :head_dim] = new.to(rows.dtype)
+    if isinstance(comp, CSACompressor):
+        indexer = comp.indexer
+        rows[index[first:], head_dim:] = indexer.compress(projected[2], projected[3], index_state, *tables).to(
+            rows.dtype)
+        stored = rows[index].to(new.dtype)
+        return stored[:, :head_dim], indexer.pick(projected[4], projected[5], stored[:, head_dim:], pos)
+    return rows[index].to(new.dtype), torch.arange(num, device=pos.device)[None] < ((pos + 1) // rate)[:, None]

@@ -1,0 +1,181 @@
+"""DeepSeek-V4 for the engine: flat token batches of many sequences, attention state in the paged KV pool.
+
+The layers are the reference path's (:mod:`metainfer_gen.llm.models.deepseek_v4`, parameter names as transformers
+holds them); the embedding, hyper-connections, MoE, projections and head run once over all T new tokens of a step,
+attention through :func:`~metainfer_gen.llm.layers.v4_paged_attention.paged_v4_attention`.
+
+Cache layout (:meth:`DeepseekV4ForCausalLM.cache_layout`, what the runner allocates and ``kv_sizing`` counts), per
+layer: a window tensor (num_blocks, block_size, 1, head_dim) holding every token's K=V row; on compressed layers an
+entry tensor (num_blocks, ceil(block_size / rate), 1, head_dim [+ index_head_dim on CSA]). Every token's K=V row
+is kept (not only the last ``sliding_window``): the block manager frees whole sequences, not blocks that slid out
+of the window, so a block holds the same bytes wherever it sits in a table.
+
+Compressor buffers (the fewer than ``rate`` projected tokens of the open window, CSA's last Ca half) live in a
+per-sequence side table (:class:`CompressorStates`), not in the pool: they are a few rows per sequence and layer,
+while a pool tensor pays its row in every block, so a paged copy would cost each block what a sequence needs once.
+The table is keyed by ``seq_id`` (``AttentionMetadata.seq_ids``); a sequence at position 0 starts fresh (a preempted
+sequence is recomputed from 0), the runner frees an entry when its sequence finishes, aborts or is preempted, and a
+step's updates are committed only after its forward completes (a failed step, rerun by ``step_recovery``, feeds
+its tokens again from the same state). Prefix caching is off for V4 (``prefix_caching_refusal``): an entry and the
+compressor state at a block boundary depend on tokens of both blocks, so blocks are not reusable alone yet.
+
+Source: transformers 5.24 ``modeling_deepseek_v4.py`` (``DeepseekV4ForCausalLM``, the correctness reference).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from metainfer_gen.kernels.audit_log import record
+from metainfer_gen.llm.attention_metadata import AttentionMetadata
+from metainfer_gen.llm.layers.kv_compressor import CompressorState, KVCompressor
+from metainfer_gen.llm.layers.v4_attention import CSACompressor
+from metainfer_gen.llm.layers.v4_paged_attention import (LayerCaches, entry_slots_per_block, paged_v4_attention,
+                                                          sequence_views)
+from metainfer_gen.llm.models.deepseek_v4 import V4CausalLM, V4RotaryTables
+from metainfer_gen.llm.models.families import AUDIT_OP, AUDIT_SITE, attention_path
+
+LayerState = tuple[CompressorState, CompressorState] | None
+
+
+def _clone(state: CompressorState) -> CompressorState:
+    """A copy that the compressor can update without touching ``state`` (it reassigns, never writes in place)."""
+    copy = CompressorState()
+    copy.kv, copy.gate, copy.prior_kv, copy.prior_gate = state.kv, state.gate, state.prior_kv, state.prior_gate
+    copy.num_entries = state.num_entries
+    return copy
+
+
+def _scratch(comp: KVCompressor, start: int, like: torch.Tensor) -> CompressorState:
+    """Zero buffers of the shapes a sequence holds after ``start`` tokens (memory profiling and warm-up run steps
+    at any position without a sequence behind them)."""
+    state = CompressorState()
+    if start:
+        width = comp.kv_proj.weight.shape[0]
+        state.kv = state.gate = like.new_zeros(start % comp.rate, width)
+        if comp.overlap and start >= comp.rate:
+            state.prior_kv = state.prior_gate = like.new_zeros(comp.rate, comp.head_dim)
+        state.num_entries = start // comp.rate
+    return state
+
+
+class CompressorStates:
+    """The compressor buffers of every running sequence, by ``seq_id`` (plain dict, no device work).
+
+    ``begin`` hands out copies for one step, ``commit`` keeps them once the step's forward has completed.
+    """
+
+    def __init__(self, compressors: list[KVCompressor | None]):
+        self.compressors = compressors
+        self._states: dict[int, list[LayerState]] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def _fresh(self, start: int, like: torch.Tensor) -> list[LayerState]:
+        out = []
+        for comp in self.compressors:
+            index = comp.indexer if isinstance(comp, CSACompressor) else None
+            out.append(None if comp is None else
+                       (_scratch(comp, start, like), _scratch(index, start, like) if index else CompressorState()))
+        return out
+
+    def begin(self, meta: AttentionMetadata, like: torch.Tensor) -> list[list[LayerState]]:
+        """Per sequence of the step (batch order), per layer, the states to update.
+
+        Raises:
+            RuntimeError: a sequence past position 0 whose state is not held (freed, or never started).
+        """
+        if not meta.seq_ids:  # a step without sequences behind it (profiling, warm-up): scratch state
+            return [self._fresh(start, like) for start in meta.starts]
+        staged = []
+        for seq_id, start in zip(meta.seq_ids, meta.starts):
+            if start == 0:
+                staged.append(self._fresh(0, like))
+            elif seq_id in self._states:
+                staged.append([None if s is None else (_clone(s[0]), _clone(s[1])) for s in self._states[seq_id]])
+            else:
+                raise RuntimeError(f"sequence {seq_id} resumes at position {start} but its compressor state was "
+                                   f"freed; it must restart from position 0")
+        return staged
+
+    def commit(self, meta: AttentionMetadata, staged: list[list[LayerState]]) -> None:
+        for seq_id, states in zip(meta.seq_ids, staged):
+            self._states[seq_id] = states
+
+    def release(self, seq_id: int) -> None:
+        """Forget a sequence's buffers (finished, aborted or preempted)."""
+        self._states.pop(seq_id, None)
+
+
+class DeepseekV4ForCausalLM(V4CausalLM):
+    """The engine's DeepSeek-V4 (``config``: a transformers ``DeepseekV4Config``; ``max_positions``: the engine's
+    ``max_model_len``; see :class:`~metainfer_gen.llm.models.deepseek_v4.V4CausalLM`)."""
+
+    static_decode_refusal = ("deepseek_v4: its attention gathers per sequence and its compressors keep per-sequence "
+                             "buffers, not traced into a static graph yet")
+    prefix_caching_refusal = ("deepseek_v4: compressed entries and compressor buffers span block boundaries, so a "
+                              "cached block is not reusable alone yet")
+
+    def __init__(self, config, max_positions: int):
+        super().__init__(config, max_positions)
+        self.attention_path = attention_path(config)
+        compressors = [layer.self_attn.compressor for layer in self.model.layers]
+        self.states = CompressorStates(compressors)
+        self._cache_index, count = [], 0
+        for comp in compressors:
+            self._cache_index.append((count,) if comp is None else (count, count + 1))
+            count += len(self._cache_index[-1])
+
+    def cache_layout(self, block_size: int) -> list[tuple[int, int]]:
+        """(slots per block, values per slot) of each pool tensor, layer by layer: the window (block_size,
+        head_dim), then on compressed layers the entries (ceil(block_size / rate), head_dim [+ index_head_dim])."""
+        layout = []
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            layout.append((block_size, attn.head_dim))
+            comp = attn.compressor
+            if comp is not None:
+                extra = comp.indexer.head_dim if isinstance(comp, CSACompressor) else 0
+                layout.append((entry_slots_per_block(block_size, comp.rate), attn.head_dim + extra))
+        return layout
+
+    def build_rotary(self, device: torch.device) -> None:
+        """(Re)compute the rope tables on ``device`` (after a load on the meta device)."""
+        self.rotary = V4RotaryTables(self.config, self.max_positions)
+        self.rotary.tables = {k: tuple(t.to(device) for t in v) for k, v in self.rotary.tables.items()}
+
+    def release_sequence(self, seq_id: int) -> None:
+        """Free a sequence's compressor buffers (the runner calls it when the sequence ends or is preempted)."""
+        self.states.release(seq_id)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]
+                ) -> torch.Tensor:
+        """input_ids (T,) int64 -> hidden states (T, hidden); writes the new tokens' K=V rows, entries and indexer
+        keys into ``kv_caches`` (the tensors of :meth:`cache_layout`, in order).
+
+        Raises:
+            RuntimeError: a sequence resuming without its compressor state (see :class:`CompressorStates`).
+        """
+        if not torch.compiler.is_compiling():
+            record(AUDIT_OP, AUDIT_SITE, self.attention_path)
+        x = self.model.embed_tokens(input_ids)
+        staged = self.states.begin(meta, x)
+        tables = self.rotary.tables
+        rope = {kind: tuple(t[meta.positions] for t in tables[kind]) for kind in ("main", "compress")}
+        rope["tables"] = tables
+        views = sequence_views(meta)
+        streams = x.unsqueeze(1).expand(-1, self.model.hc_mult, -1).contiguous()  # (T, hc_mult, hidden)
+        for i, layer in enumerate(self.model.layers):
+            caches = LayerCaches(*(kv_caches[j] for j in self._cache_index[i]))
+            attend = partial(paged_v4_attention, layer.self_attn, meta=meta, views=views, caches=caches,
+                             states=[s[i] for s in staged], rope=rope)
+            streams = layer(streams, input_ids, attend)
+        self.states.commit(meta, staged)
+        return self.model.norm(self.model.hc_head(streams))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(R, hidden) -> (R, vocab) float32."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,109 @@
+"""Load a DeepSeek-V4 checkpoint directory (config.json + safetensors) into the engine's V4 model, one tensor at a time.
+
+Checkpoints name V4's weights as DeepSeek releases them (transformers' ``save_pretrained`` writes them back in that
+form): ``layers.N.attn.wq_a``, ``attn.wkv``, ``attn_sink``, ``compressor.ape``, ``indexer.compressor.*``,
+``hc_attn_fn``, ``ffn.experts.E.w1`` ... :func:`engine_name` maps each to the parameter it fills (transformers'
+in-memory names, which the model uses), following transformers 5.24 ``conversion_mapping.py`` (``deepseek_v4``):
+the same renames, and the per-expert ``w1`` / ``w3`` / ``w2`` into rows of the fused ``gate_up_proj`` (gate rows,
+then up rows) and ``down_proj``. The model is built on the meta device, given its storage in the run dtype, and
+filled from :class:`~metainfer_gen.llm.checkpoint.SafetensorsCheckpoint` reads (a slice of one tensor at a time).
+Weights beyond ``num_hidden_layers`` (multi-token prediction) are skipped.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.w([123])\.weight$")
+# In order, as transformers applies them to a layer's names (the indexer's renames before the generic ones).
+_RENAMES = [(re.compile(pattern), target) for pattern, target in (
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_attn_(fn|base|scale)$", r".attn_hc.\1"), (r"\.hc_ffn_(fn|base|scale)$", r".ffn_hc.\1"),
+    (r"\.attn_sink$", ".sinks"), (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."), (r"\.norm\.", ".kv_norm."),
+    (r"\.ape$", ".position_bias"), (r"\.wq_a\.", ".q_a_proj."), (r"\.wq_b\.", ".q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"), (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."), (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."))]
+_TOP = {"head.weight": "lm_head.weight", "embed.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight", "hc_head_fn": "model.hc_head.hc_fn",
+        "hc_head_base": "model.hc_head.hc_base", "hc_head_scale": "model.hc_head.hc_scale"}
+
+
+def engine_name(name: str, intermediate_size: int) -> tuple[str, tuple]:
+    """The model parameter a checkpoint tensor fills, and the index of it (``()``: all of it).
+
+    ``intermediate_size`` places an expert's ``w3`` (up) rows after its ``w1`` (gate) rows.
+    """
+    if name in _TOP:
+        return _TOP[name], ()
+    if name.startswith("layers."):
+        name = "model." + name
+    if not _LAYER.match(name):
+        return name, ()
+    expert = _EXPERT.search(name)
+    if expert:
+        e, w = int(expert.group(1)), expert.group(2)
+        stem = name[:expert.start()].replace(".ffn", ".mlp")
+        if w == "2":
+            return f"{stem}.experts.down_proj", (e,)
+        rows = slice(0, intermediate_size) if w == "1" else slice(intermediate_size, 2 * intermediate_size)
+        return f"{stem}.experts.gate_up_proj", (e, rows)
+    for pattern, target in _RENAMES:
+        name = pattern.sub(target, name)
+    return name, ()
+
+
+def load_v4_model(path: Path, config, *, dtype: torch.dtype, device: torch.device, max_positions: int):
+    """The engine's :class:`~metainfer_gen.llm.models.deepseek_v4_engine.DeepseekV4ForCausalLM` with the
+    checkpoint's weights, floating-point tensors in ``dtype`` (integer buffers such as ``tid2eid`` as stored).
+
+    Raises:
+        RuntimeError: model parameters the checkpoint lacks (or fills only in part), tensors the model has no
+            place for, or a tensor of the wrong shape (names listed).
+    """
+    from metainfer_gen.llm.checkpoint import SafetensorsCheckpoint
+    from metainfer_gen.llm.fp8 import WeightFormat
+    from metainfer_gen.llm.models.deepseek_v4_engine import DeepseekV4ForCausalLM
+
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(config, max_positions)
+    model.to(dtype).to_empty(device=device)
+    targets = dict(model.named_parameters())
+    targets.update(model.named_buffers())
+    filled: dict[str, int] = {}
+    unexpected, wrong = [], []
+    with SafetensorsCheckpoint(path) as ckpt:
+        for name in ckpt.names():
+            match = _LAYER.match(name if not name.startswith("layers.") else "model." + name)
+            if (match and int(match.group(1)) >= config.num_hidden_layers) or name.startswith("mtp."):
+                continue
+            target, index = engine_name(name, config.intermediate_size)
+            if target not in targets:
+                unexpected.append(name)
+                continue
+            dest = targets[target][index] if index else targets[target]
+            if tuple(dest.shape) != ckpt.shape(name):
+                wrong.append(f"{name} {ckpt.shape(name)} -> {target} {tuple(dest.shape)}")
+                continue
+            with torch.no_grad():
+                dest.copy_(ckpt.read(name))
+            filled[target] = filled.get(target, 0) + dest.numel()
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in filled:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        filled["lm_head.weight"] = model.lm_head.weight.numel()
+    missing = sorted(n for n, t in targets.items() if filled.get(n, 0) != t.numel())
+    if missing or unexpected or wrong:
+        raise RuntimeError(f"checkpoint does not match the DeepSeek-V4 model: missing or partly filled {missing[:10]}, "
+                           f"unexpected {unexpected[:10]}, wrong shapes {wrong[:10]}")
+    model.build_rotary(device)
+    model.weight_format = WeightFormat(fp8=False, dequantise=False, fp8_gemm=False,
+                                       name=str(dtype).removeprefix("torch."),
+                                       reason="deepseek_v4 loads dense weights only (FP8 is refused for it)")
+    return model.eval()
