@@ -95,7 +95,7 @@ class ModelRunner:
             ids.extend(item.seq.token_ids[item.start: item.start + item.num_tokens])
         meta = AttentionMetadata.build([i.start for i in out.scheduled], [i.num_tokens for i in out.scheduled],
                                        [i.seq.block_table for i in out.scheduled], self.block_size, self.device,
-                                       seq_ids=[i.seq.seq_id for i in out.scheduled])
+                                       seq_ids=None if out.scratch else [i.seq.seq_id for i in out.scheduled])
         return torch.tensor(ids, dtype=torch.long, device=self.device), meta
 
     @torch.inference_mode()

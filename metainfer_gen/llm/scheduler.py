@@ -33,8 +33,12 @@ class ScheduledSequence:
 
 @dataclass(slots=True)
 class SchedulerOutput:
+    """One step: what runs, what was preempted; ``scratch`` marks a step of stand-in sequences (the warm-up), whose
+    ids a model must not keep state under."""
+
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    scratch: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -117,7 +117,7 @@ def _run(engine, shapes: list[tuple[int, int]], scratch: list[int]) -> None:
     """One step of sequences ``(length, new tokens)`` (the new tokens end the sequence, so every one samples),
     their KV written into ``scratch`` blocks."""
     block_size, blocks, vocab = engine.config.block_size, iter(scratch), engine.model.config.vocab_size
-    out = SchedulerOutput()
+    out = SchedulerOutput(scratch=True)
     for length, num_new in shapes:
         seq = Sequence([(3 + 7 * i) % vocab for i in range(length)], _GREEDY, request_id="warmup")
         seq.block_table = [next(blocks) for _ in range(-(-length // block_size))]

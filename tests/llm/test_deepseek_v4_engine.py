@@ -105,6 +105,21 @@ def test_state_lost_between_chunks_is_an_error(v4):
         engine.runner.run(engine.scheduler.schedule())
 
 
+def test_warmup_and_abort_leave_no_state(v4):
+    """The warm-up's stand-in sequences keep no compressor state (and do not trip the lost-state check); an aborted
+    request's state is freed; tokens after a warm-up are unchanged."""
+    path, block_size, prompts, expected = v4
+    engine = _engine(path, block_size, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64)
+    report = engine.warmup()
+    assert report.decode_batches and len(engine.model.states) == 0
+    request = engine.add_request(prompts[3], GREEDY)
+    engine.step()
+    assert len(engine.model.states) == 1
+    engine.abort(request)
+    _check_clean(engine)
+    assert [o.token_ids for o in engine.generate(prompts[:2], GREEDY)] == expected[:2]
+
+
 def test_pool_bytes_equal_the_config_formula(tmp_path):
     """The bytes the runner allocates per block, what the sizing counts and the formula from config.json agree; for
     this config (sliding, CSA, HCA; head_dim 32, index_head_dim 16; rates 4, 8) at block size 16 that is 16 K=V
