@@ -105,6 +105,24 @@ def test_state_lost_between_chunks_is_an_error(v4):
         engine.runner.run(engine.scheduler.schedule())
 
 
+def test_a_step_run_twice_starts_from_the_same_state(v4):
+    """``step_recovery`` may rerun a step whose forward completed (its LM head or sampling raised): each rerun
+    starts from the compressor state the step started from, and the tokens stay transformers'."""
+    path, block_size, prompts, expected = v4
+    engine = _engine(path, block_size, max_num_batched_tokens=13)
+    ids = [engine.add_request(p, GREEDY) for p in prompts[1:3]]
+    done = {}
+    while engine.has_unfinished_requests:
+        out = engine.scheduler.schedule()
+        first = engine.runner.run(out)
+        assert engine.runner.run(out) == first
+        for seq in engine.scheduler.update(out, first):
+            done[seq.request_id] = seq.output_token_ids
+            engine.runner.release(seq)
+    assert [done[i] for i in ids] == expected[1:3]
+    _check_clean(engine)
+
+
 def test_warmup_and_abort_leave_no_state(v4):
     """The warm-up's stand-in sequences keep no compressor state (and do not trip the lost-state check); an aborted
     request's state is freed; tokens after a warm-up are unchanged."""

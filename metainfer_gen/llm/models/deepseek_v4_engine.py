@@ -14,16 +14,18 @@ Compressor buffers (the fewer than ``rate`` projected tokens of the open window,
 per-sequence side table (:class:`CompressorStates`), not in the pool: they are a few rows per sequence and layer,
 while a pool tensor pays its row in every block, so a paged copy would cost each block what a sequence needs once.
 The table is keyed by ``seq_id`` (``AttentionMetadata.seq_ids``); a sequence at position 0 starts fresh (a preempted
-sequence is recomputed from 0), the runner frees an entry when its sequence finishes, aborts or is preempted, and a
-step's updates are committed only after its forward completes (a failed step, rerun by ``step_recovery``, feeds
-its tokens again from the same state). Prefix caching is off for V4 (``prefix_caching_refusal``): an entry and the
-compressor state at a block boundary depend on tokens of both blocks, so blocks are not reusable alone yet.
+sequence is recomputed from 0), the runner frees an entry when its sequence finishes, aborts or is preempted; a
+step's updates are kept only once its forward completes, with the state it started from, so a step run again
+(``step_recovery`` reruns a failed step's sequences, even after their forward completed) starts from the same
+state. Prefix caching is off for V4 (``prefix_caching_refusal``): an entry and the compressor state at a block
+boundary depend on tokens of both blocks, so blocks are not reusable alone yet.
 
 Source: transformers 5.24 ``modeling_deepseek_v4.py`` (``DeepseekV4ForCausalLM``, the correctness reference).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -61,6 +63,17 @@ def _scratch(comp: KVCompressor, start: int, like: torch.Tensor) -> CompressorSt
     return state
 
 
+@dataclass(slots=True)
+class _Held:
+    """A sequence's buffers after its last step (``start`` .. ``end`` tokens), and those it started from, so the
+    same step run again (``step_recovery`` reruns a failed step's sequences) starts from the same state."""
+
+    start: int
+    end: int
+    before: list[LayerState] | None
+    after: list[LayerState]
+
+
 class CompressorStates:
     """The compressor buffers of every running sequence, by ``seq_id`` (plain dict, no device work).
 
@@ -69,7 +82,8 @@ class CompressorStates:
 
     def __init__(self, compressors: list[KVCompressor | None]):
         self.compressors = compressors
-        self._states: dict[int, list[LayerState]] = {}
+        self._states: dict[int, _Held] = {}
+        self._bases: list[list[LayerState] | None] = []
 
     def __len__(self) -> int:
         return len(self._states)
@@ -90,20 +104,27 @@ class CompressorStates:
         """
         if not meta.seq_ids:  # a step without sequences behind it (profiling, warm-up): scratch state
             return [self._fresh(start, like) for start in meta.starts]
-        staged = []
+        self._bases = []
         for seq_id, start in zip(meta.seq_ids, meta.starts):
+            held = self._states.get(seq_id)
             if start == 0:
-                staged.append(self._fresh(0, like))
-            elif seq_id in self._states:
-                staged.append([None if s is None else (_clone(s[0]), _clone(s[1])) for s in self._states[seq_id]])
+                self._bases.append(None)
+            elif held is not None and held.end == start:
+                self._bases.append(held.after)
+            elif held is not None and held.start == start and held.before is not None:  # the same step again
+                self._bases.append(held.before)
             else:
                 raise RuntimeError(f"sequence {seq_id} resumes at position {start} but its compressor state was "
                                    f"freed; it must restart from position 0")
-        return staged
+        return [self._fresh(0, like) if base is None else
+                [None if s is None else (_clone(s[0]), _clone(s[1])) for s in base] for base in self._bases]
 
     def commit(self, meta: AttentionMetadata, staged: list[list[LayerState]]) -> None:
-        for seq_id, states in zip(meta.seq_ids, staged):
-            self._states[seq_id] = states
+        """Keep ``staged`` (from :meth:`begin` of the same ``meta``, its forward completed)."""
+        for seq_id, start, num, base, states in zip(meta.seq_ids, meta.starts, meta.query_lens, self._bases,
+                                                    staged):
+            self._states[seq_id] = _Held(start, start + num, base, states)
+        self._bases = []
 
     def release(self, seq_id: int) -> None:
         """Forget a sequence's buffers (finished, aborted or preempted)."""
