@@ -66,9 +66,8 @@ class LLMEngine:
         self.kv_sizing = size_kv_pool(model, config, max_model_len=max_model_len, dtype=self.dtype, device=self.device,
                                       bytes_per_block=kv_cache_bytes_per_block(model, config.block_size,
                                                                                self.cache_dtype))
-        num_blocks = self.kv_sizing.num_blocks
-        self.prefix_caching = prefix_caching_allowed(model, config.enable_prefix_caching)
-        self.block_manager = BlockManager(num_blocks, config.block_size, self.prefix_caching)
+        num_blocks, prefix = self.kv_sizing.num_blocks, prefix_caching_allowed(model, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.block_size, prefix)  # off where the model refuses it
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill,

@@ -172,6 +172,9 @@ def load_model(path: Path, config, *, dtype: torch.dtype, device: torch.device, 
     of those values would load. MoE layers' routed experts are stacked for grouped GEMMs as they are read (fp8
     experts stay per expert, each through the fp8 block GEMM).
 
+    A DeepSeek-V4 config goes to :func:`~metainfer_gen.llm.models.deepseek_v4_loader.load_v4_model` (its own names
+    and layout; one process, dense weights).
+
     Returns:
         The model in eval mode, with ``weight_format`` (a :class:`~metainfer_gen.llm.fp8.WeightFormat`:
         ``.name`` such as ``"fp8 (block-scaled, FP8 GEMM)"``, ``"dequantised from fp8 at load to bfloat16"`` or
