@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=2 python benchmarks/llm_throughput.py              # embedded LLM + a larger random DeepSeek-V3
     python benchmarks/llm_throughput.py --models random-glm5 --concurrency 1,16   # a random GLM-5 (glm_moe_dsa)
+    python benchmarks/llm_throughput.py --models random-v4 --concurrency 1,16 --no-prefix-cache   # DeepSeek-V4
     python benchmarks/llm_throughput.py --quick                        # small shapes (smoke run)
     python benchmarks/llm_throughput.py --models embedded --concurrency 64 --no-prefix-cache   # one row pair
 
@@ -11,6 +12,10 @@ length so both sides do the same work), one table row per implementation: input 
 of a batch gets its first token after the batch's prefill), and total-throughput ratio ours / transformers. Greedy
 outputs are compared (identical-token share), so a speedup that changed the answer is visible. Then the prefix
 cache: TTFT of a request with a shared 1,024-token prefix, cold (first) vs warm (prefix cached).
+
+DeepSeek-V4 (``random-v4``, the shape of ``benchmarks/v4_reference.py``): transformers runs the requests one at a
+time (its compressed caches would fold left padding into their entries, so a padded batch is not the same
+computation); they still arrive together, so a request's TTFT includes the requests run before it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from metainfer_gen.llm import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from table import print_table  # noqa: E402  (benchmarks/ is on the path when a script here runs)
+from v4_reference import SHAPE as V4  # noqa: E402  (every V4 layer type, hash-routed first layer)
 
 LARGE = dict(vocab_size=4096, hidden_size=384, intermediate_size=1024, moe_intermediate_size=192, num_hidden_layers=6,
              num_attention_heads=8, num_key_value_heads=8, n_shared_experts=1, n_routed_experts=16,
@@ -38,12 +44,13 @@ LARGE = dict(vocab_size=4096, hidden_size=384, intermediate_size=1024, moe_inter
 # GLM-5's layout at LARGE's widths: DSA indexer (top-k 64 < the prompts), full/shared indexer layers, its
 # qk_nope != v head widths, MLP types per layer. GLM-5's 32 indexer heads: with few heads a key whose every head
 # scores <= 0 ties at exactly 0, and a top-k boundary on such a tie breaks differently in prefill and decode (in
-# transformers as here). DeepSeek-V4 is not in the engine: benchmarks/v4_reference.py times its reference path.
+# transformers as here).
 GLM5 = {**{k: v for k, v in LARGE.items() if k not in ("num_mtp_layers", "first_k_dense_replace")},
         "qk_nope_head_dim": 48, "v_head_dim": 64, "index_topk": 64, "index_head_dim": 32, "index_n_heads": 32,
         "indexer_types": ["full", "full", "shared", "full", "shared", "shared"],
         "mlp_layer_types": ["dense"] + ["sparse"] * 5}
-RANDOM_MODELS = {"random-large": ("deepseek_v3", LARGE), "random-glm5": ("glm_moe_dsa", GLM5)}
+RANDOM_MODELS = {"random-large": ("deepseek_v3", LARGE), "random-glm5": ("glm_moe_dsa", GLM5),
+                 "random-v4": ("deepseek_v4", V4)}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -90,6 +97,17 @@ def run_transformers(model, prompts: list[list[int]], new_tokens: int, pad_id: i
     return seconds, ttft, [row[width:].tolist() for row in out]
 
 
+def run_transformers_one_at_a_time(model, prompts: list[list[int]], new_tokens: int, pad_id: int):
+    """:func:`run_transformers` on each prompt alone, in turn; TTFT from the start of the first."""
+    start, ttft, tokens = time.perf_counter(), [], []
+    for prompt in prompts:
+        offset = time.perf_counter() - start
+        _, first, out = run_transformers(model, [prompt], new_tokens, pad_id)
+        ttft.append(offset + first[0])
+        tokens += out
+    return time.perf_counter() - start, ttft, tokens
+
+
 def run_ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int):
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
@@ -115,16 +133,17 @@ def throughput_rows(name: str, path: Path, concurrencies: list[int], lengths: tu
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engine = LLMEngine.from_pretrained(path, engine_config)
+    baseline = run_transformers_one_at_a_time if hf.config.model_type == "deepseek_v4" else run_transformers
     vocab = hf.config.vocab_size
     warm = make_prompts(2, vocab, 8, 16, seed=99)
     run_ours(engine, warm, 2)
-    run_transformers(hf, warm, 2, pad_id=0)
+    baseline(hf, warm, 2, pad_id=0)
     rows = []
     for c in concurrencies:
         prompts = make_prompts(c, vocab, *lengths, seed=c)
         engine.block_manager.reset_prefix_cache()  # random prompts share nothing, but be explicit: cold cache
         n_in, n_out = sum(map(len, prompts)), c * new_tokens
-        results = {"transformers": run_transformers(hf, prompts, new_tokens, pad_id=0),
+        results = {"transformers": baseline(hf, prompts, new_tokens, pad_id=0),
                    "ours": run_ours(engine, prompts, new_tokens)}
         if expert_loop:
             engine.block_manager.reset_prefix_cache()
@@ -161,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="checkpoint to use instead of the embedded LLM")
     parser.add_argument("--new-tokens", type=int, default=32, help="output tokens per request")
     parser.add_argument("--models", default="embedded,random-large",
-                        help="comma-separated subset of embedded,random-large,random-glm5 (throughput rows)")
+                        help="comma-separated subset of embedded,random-large,random-glm5,random-v4 (throughput rows)")
     parser.add_argument("--concurrency", default=None,
                         help="comma-separated request counts (default 1,16,64; --quick 1,4)")
     parser.add_argument("--no-prefix-cache", action="store_true", help="skip the prefix-cache TTFT table")
@@ -171,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     names = args.models.split(",")
     if not set(names) <= {"embedded", *RANDOM_MODELS}:
-        parser.error(f"--models takes embedded, random-large and/or random-glm5; got {args.models!r}")
+        parser.error(f"--models takes embedded, {', '.join(RANDOM_MODELS)}; got {args.models!r}")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from metainfer_gen.pipelines.text_generation import default_llm_dir

@@ -3,8 +3,9 @@
     OMP_NUM_THREADS=1 python benchmarks/v4_reference.py            # 8 prompts of 64-512 tokens x 32 new tokens
     python benchmarks/v4_reference.py --quick                      # 2 prompts, smoke run
 
-V4 is not in the engine yet (``docs/llm_engine.md``): the reference path runs one request at a time (prefill, then
-one decode step per token), so the only fair comparison is transformers one request at a time too. Rows: input and
+The engine runs V4 too (``benchmarks/llm_throughput.py --models random-v4``); this times the reference path, which
+runs one request at a time (prefill, then one decode step per token), so the only fair comparison is transformers
+one request at a time too. Rows: input and
 output tokens/s over all requests (tokens / wall seconds), TTFT p50, ratio ours / transformers, and the share of
 requests whose greedy tokens are identical. The model: every V4 layer type (sliding, CSA, HCA), hash-routed first
 layer, V4's 128-token window and 4x / 128x rates at a small width.
