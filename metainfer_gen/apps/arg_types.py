@@ -31,6 +31,18 @@ def positive_float(text: str) -> float:
     return value
 
 
+def guidance(text: str) -> float:
+    """A guidance scale: a finite number >= 0 (the video rules' own check, before the model loads).
+
+    Raises argparse.ArgumentTypeError otherwise."""
+    import math
+
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (1 disables guidance); got {text}")
+    return value
+
+
 def port(text: str) -> int:
     """A TCP port in [0, 65535] (0: any free one). Raises argparse.ArgumentTypeError otherwise."""
     value = int(text)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from metainfer_gen import __version__
-from metainfer_gen.apps.arg_types import finite_fps, positive_int
+from metainfer_gen.apps.arg_types import finite_fps, guidance, positive_int
 from metainfer_gen.apps.fleet_args import add_job_store_arguments
 from metainfer_gen.apps.video_args import add_video_model_arguments, apply_model_options, load_options
 
@@ -55,7 +55,7 @@ def _add_render_parser(subparsers) -> None:
     p.add_argument("--width", type=int, default=None, help="width in pixels (model default if omitted)")
     p.add_argument("--steps", "--num-inference-steps", dest="num_inference_steps", type=positive_int, default=None,
                    help="num_inference_steps (model default if omitted)")
-    p.add_argument("--guidance-scale", type=float, default=None, help="classifier-free guidance (1 disables)")
+    p.add_argument("--guidance-scale", type=guidance, default=None, help="classifier-free guidance (1 disables)")
     p.add_argument("--seed", type=int, default=0, help="seed; in batches, line i without a seed uses seed+i")
     p.add_argument("--fps", type=finite_fps, default=None, help="frames per second of the written clip (> 0)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")

@@ -39,13 +39,13 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
 def apply_model_options(pipe, args: argparse.Namespace) -> None:
     """The accelerators the options ask for, on a freshly loaded pipeline (whose ``from_pretrained`` turned the
     lossless embed memo on where the model has Wan's condition embedder): the fused kernels, the memo off
-    with ``--no-embed-memo``, then the ``--preset`` (its report logged)."""
+    with ``--no-embed-memo``, then the ``--preset`` (its report, what it turned on and why anything was refused,
+    printed to stderr once per loaded model)."""
     if args.fused_kernels:
         pipe.enable_fused_kernels()
     if not args.embed_memo:
         pipe.disable_embed_memo()
     if getattr(args, "preset", None):
-        import logging
+        import sys
 
-        report = pipe.enable_acceleration(args.preset)
-        logging.getLogger(__name__).info(report.summary())
+        print(pipe.enable_acceleration(args.preset).summary(), file=sys.stderr)

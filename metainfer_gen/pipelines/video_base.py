@@ -119,9 +119,25 @@ class VideoPipelineBase(DiffusersCompatMixin, VideoCallMixin, AccelerationMixin,
         return None if parameter is None else parameter.default
 
     def resolve(self, **given: Any) -> dict[str, Any]:
-        """Fill unset shape/step arguments with defaults and validate everything before any work."""
+        """Fill unset shape/step arguments with defaults and validate everything before any work.
+
+        Warns (``UserWarning``) when a call overrides the steps or guidance a fused step LoRA was distilled for:
+        the call runs as asked, but such a LoRA at many guided steps degrades the clip (pass neither argument to
+        run at the preset's own, or use a preset without the step LoRA for the model's settings).
+        """
         values = {name: given.get(name) if given.get(name) is not None else self.default(name) for name in _SHAPE_ARGS}
         self.rules.check(prompt=given.get("prompt"), **values)
+        distilled = self.acceleration.call_defaults if self.acceleration is not None else {}
+        overridden = {k: values[k] for k, v in distilled.items() if values.get(k) is not None and values[k] != v}
+        if overridden:
+            import warnings
+
+            asked = ", ".join(f"{k}={v}" for k, v in overridden.items())
+            warnings.warn(f"the {self.acceleration.preset!r} preset fused a step LoRA distilled for "
+                          f"{', '.join(f'{k}={v}' for k, v in distilled.items())}; this call asks {asked}, outside "
+                          f"what it was distilled for, so expect a degraded clip: omit those arguments to run at "
+                          f"the preset's own, or use the 'balanced' preset for the model's settings",
+                          UserWarning, stacklevel=3)
         return values
 
     def enable_step_cache(self, cache: Any = "auto", calibration: Any = None) -> None:

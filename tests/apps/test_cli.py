@@ -280,3 +280,14 @@ def test_a_bad_fps_is_refused_before_anything_renders(tmp_path, tiny_wan_dir, ca
     assert exit_info.value.code == 2
     assert "fps must be a finite number > 0" in capsys.readouterr().err
     assert not (tmp_path / "clip.mp4").exists()
+
+
+@pytest.mark.parametrize("scale", ["-1", "nan", "inf"])
+def test_a_bad_guidance_scale_is_refused_by_the_parser_before_the_model_loads(scale, capsys):
+    from metainfer_gen.apps.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["render", "a prompt", "--guidance-scale", scale])
+    assert exit_info.value.code == 2
+    assert f"must be a finite number >= 0 (1 disables guidance); got {scale}" in capsys.readouterr().err
+    assert build_parser().parse_args(["render", "a prompt", "--guidance-scale", "0"]).guidance_scale == 0.0

@@ -19,7 +19,7 @@ def test_the_flag_names_every_preset():
 
 @pytest.mark.parametrize("cache", [None, "auto"])
 def test_render_with_a_preset_writes_the_clip_and_an_asked_cache_replaces_the_presets(tmp_path, tiny_wan_dir,
-                                                                                      cache):
+                                                                                      cache, capsys):
     from metainfer_gen.apps.cli import main
 
     out = tmp_path / "clips"
@@ -28,6 +28,8 @@ def test_render_with_a_preset_writes_the_clip_and_an_asked_cache_replaces_the_pr
     argv = ["render", "--prompts", str(prompts), "--out-dir", str(out), "--preset", "balanced", *small(tiny_wan_dir),
             "--guidance-scale", "3"] + ([] if cache is None else ["--cache", cache])
     assert main(argv) == 0
+    err = capsys.readouterr().err  # what the preset turned on and why it refused the rest, said once
+    assert err.count("acceleration preset 'balanced':") == 1 and "refused  step_lora: the balanced preset" in err
     record = json.loads((out / "manifest.jsonl").read_text().splitlines()[0])
     stats = record["stats"]
     assert record["status"] == "ok" and stats["extra"]["acceleration"]["preset"] == "balanced"

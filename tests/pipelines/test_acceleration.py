@@ -3,6 +3,8 @@ that is refused on this model or machine, says why, and reports each call's piec
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -149,10 +151,15 @@ def test_fastest_on_the_embedded_model_fuses_its_step_lora_and_renders_at_its_st
     fused = pipe.diffusers_pipeline.transformer
     assert not torch.equal(base.blocks[0].attn1.to_k.weight, fused.blocks[0].attn1.to_k.weight.float())
     assert "lora" not in " ".join(name for name, _ in fused.named_modules())  # merged, no adapter layers left
-    first, second = (pipe(PROMPT, seed=2) for _ in range(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the preset's own settings: no warning
+        first, second = (pipe(PROMPT, seed=2) for _ in range(2))
     np.testing.assert_array_equal(first.frames, second.frames)
     assert first.settings["num_inference_steps"] == 4 and first.stats.transformer_calls == 4  # unguided
-    assert pipe(PROMPT, seed=2, num_inference_steps=6).stats.transformer_calls == 6  # a call's own value wins
+    with pytest.warns(UserWarning, match=r"distilled for num_inference_steps=4, guidance_scale=1.0; this call "
+                                         r"asks num_inference_steps=6, outside"):
+        out = pipe(PROMPT, seed=2, num_inference_steps=6)
+    assert out.stats.transformer_calls == 6  # a call's own value wins, said out loud
 
 
 def test_forced_regional_compilation_compiles_each_block_and_keeps_the_clip(tiny_wan_dir):

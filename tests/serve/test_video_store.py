@@ -112,6 +112,17 @@ def test_refusals_name_the_field(body, param):
     assert info.value.status == 400 and info.value.param == param, info.value.message
 
 
+def test_too_many_seconds_are_refused_in_seconds():
+    with pytest.raises(APIError) as info:  # 999 s at 8 fps: 7,993 frames, past the 33 the limits allow
+        parse_video_request({"prompt": "p", "seconds": "999", "size": "32x32"}, checks())
+    assert info.value.status == 400 and info.value.param == "seconds"
+    assert info.value.message.startswith("seconds=999 is 7993 frames at 8 fps") and "at most 4 seconds" in \
+        info.value.message, info.value.message
+    with pytest.raises(APIError) as info:  # frames asked as frames stay frames
+        parse_video_request({"prompt": "p", "num_frames": 37, "size": "32x32"}, checks())
+    assert info.value.param == "num_frames"
+
+
 def test_one_server_per_data_folder(tmp_path, tiny_wan_dir):
     """A second service on a folder another one holds is refused before it re-queues that one's running jobs; the
     folder is free again once the first closes."""

@@ -155,7 +155,8 @@ def parse_video_request(body: dict[str, Any], checks: RequestChecks, image: str 
     width, height = _size(body)
     values = {"num_frames": body.get("num_frames"), "height": height, "width": width,
               "num_inference_steps": body.get("num_inference_steps"), "guidance_scale": body.get("guidance_scale")}
-    if values["num_frames"] in (None, "") and _number(body, "seconds") is not None:
+    from_seconds = values["num_frames"] in (None, "") and _number(body, "seconds") is not None
+    if from_seconds:
         values["num_frames"] = _frames_for(_number(body, "seconds"), fps, checks.rules.temporal_factor)
     for name, value in values.items():
         if value in (None, ""):
@@ -174,6 +175,11 @@ def parse_video_request(body: dict[str, Any], checks: RequestChecks, image: str 
     except APIError as exc:
         if exc.param in ("width", "height") and body.get("size") not in (None, ""):
             raise bad_request(f"size {body['size']!r}: {exc.message}", "size") from None
+        if exc.param == "num_frames" and from_seconds:  # the request named seconds, not frames
+            most = (limits.max_frames - 1) / fps
+            raise bad_request(f"seconds={_number(body, 'seconds'):g} is {values['num_frames']} frames at {fps:g} "
+                              f"fps ({exc.message}); ask at most {most:g} seconds, or set num_frames", "seconds") \
+                from None
         raise
     cache = body.get("cache") or "off"
     if cache not in checks.cache_names:
