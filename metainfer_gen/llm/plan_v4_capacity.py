@@ -4,7 +4,7 @@ layout and weight format: the planner's V4 rows (plain Python, no torch; ``metai
     d = V4Dims.from_config(read_config("benchmarks/configs/deepseek_v4_flash.json"))
     print(format_v4_plan(make_v4_plan(d, Hardware(8, 48 * 2**30), context=1_048_576)))
 
-Layouts over N devices (the engine runs V4 on one device only, so every row is one it does not run yet; the
+Layouts over N devices (the engine runs the "TP" layout with bf16/fp32 weights, not "DP attention" or FP8; the
 state counted is the minimal one, :func:`~metainfer_gen.llm.plan_v4.v4_state_bytes`: the engine's paged pool also
 keeps every token's window row, ``plan_v4_pool.py``):
 
@@ -186,8 +186,8 @@ def format_v4_plan(plan: dict) -> str:
     hw, req = plan["hardware"], plan["request"]
     n = hw["devices"]
     lines = [f"{plan['model']['model_type']} on {n} x {hw['device_memory_gib']:.0f} GiB at {req['context']} tokens "
-             f"per sequence ({req['kv_format']} state, prefill chunk {req['chunk']}); minimal state, for layouts "
-             "the engine does not run yet (it runs V4 on one device)", "",
+             f"per sequence ({req['kv_format']} state, prefill chunk {req['chunk']}); minimal state (the engine runs "
+             "the TP rows with bf16 weights, not DP attention or fp8)", "",
              "| state bytes/sequence | window | entries | index keys | buffers | total | GiB |",
              "|---|---|---|---|---|---|---|"]
     for k, s in plan["state_bytes_per_sequence"].items():

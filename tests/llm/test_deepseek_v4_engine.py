@@ -1,7 +1,8 @@
 """DeepSeek-V4 in the engine (``llm/models/deepseek_v4_engine.py``) against transformers' ``generate`` on tiny random
 checkpoints saved by ``save_pretrained``: several layer-type mixes and block sizes (entry rate above and below the
 block size), prompts past the sliding window (16) over many CSA (4) and HCA (8) windows, chunked prefill ending
-inside windows, 16 prompts in one batch, preemption; the pool's bytes against the config formula; refusals."""
+inside windows, 16 prompts in one batch, preemption; the pool's bytes against the config formula; refusals
+(tensor parallelism: tests/llm/test_deepseek_v4_tp.py)."""
 
 from __future__ import annotations
 
@@ -158,8 +159,6 @@ def test_pool_bytes_equal_the_config_formula(tmp_path):
 
 def test_refused_settings_name_what_is_missing(tmp_path):
     _save(tmp_path, [SLIDING, CSA, HCA])
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: not yet for deepseek_v4 \(its attention state"):
-        LLMEngine.from_pretrained(tmp_path, EngineConfig(tensor_parallel_size=2))
     with pytest.raises(ValueError, match="quantization='fp8': not yet for deepseek_v4"):
         LLMEngine.from_pretrained(tmp_path, EngineConfig(quantization="fp8"))
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8': not yet for deepseek_v4"):

@@ -29,8 +29,9 @@ def test_deepseek_v4_runs_and_names_its_attention_path():
     assert "paged pool" in family.attention
     config = AutoConfig.for_model("deepseek_v4", num_hidden_layers=2, hidden_size=64, vocab_size=128)
     check_engine_settings(config)  # the defaults are fine
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=4: not yet for deepseek_v4"):
-        check_engine_settings(config, tensor_parallel_size=4)
+    check_engine_settings(config, tensor_parallel_size=4)  # split over heads, groups, experts (test_deepseek_v4_tp)
+    with pytest.raises(ValueError, match=r"deepseek_v4 cannot be split over tensor_parallel_size=3"):
+        check_engine_settings(config, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="not yet for deepseek_v4"):
         check_engine_settings(config, quantization="fp8")
     check_engine_settings(AutoConfig.for_model("deepseek_v3"), tensor_parallel_size=4, quantization="fp8")

@@ -32,3 +32,22 @@ def greedy_tp(rank: int, world: int, args: dict) -> dict:
             "local_heads": engine.model.model.layers[0].self_attn.num_heads,
             "local_experts": sorted(int(k) for layer in engine.model.model.layers
                                     if hasattr(layer.mlp, "experts") for k in layer.mlp.experts)[:16]}
+
+
+def greedy_v4_tp(rank: int, world: int, args: dict) -> dict:
+    """For each DeepSeek-V4 checkpoint of ``args["runs"]`` ((path, block size) pairs): a TP=world engine's greedy
+    tokens with chunked prefill (``args["budget"]`` tokens a step), and this rank's split weights (as lists)."""
+    from metainfer_gen import collectives
+    from metainfer_gen.llm import EngineConfig, LLMEngine, SamplingParams
+
+    params = SamplingParams(max_new_tokens=args["max_new_tokens"], temperature=0.0, ignore_eos=True)
+    out = []
+    for path, block_size in args["runs"]:
+        engine = LLMEngine.from_pretrained(path, EngineConfig(
+            tensor_parallel_size=world, block_size=block_size, dtype="float32", max_num_seqs=4,
+            max_num_batched_tokens=args["budget"]))
+        tokens = [o.token_ids for o in engine.generate(args["prompts"], params)]
+        weights = {name: t.tolist() for name, t in engine.model.state_dict().items() if name in args["weights"]}
+        out.append({"tokens": tokens, "weights": weights, "states_left": len(engine.model.states)})
+    collectives.shutdown_distributed()  # once: a second engine in the process reuses the first one's groups
+    return {"runs": out}

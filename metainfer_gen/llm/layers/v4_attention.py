@@ -10,10 +10,13 @@ q LoRA and an unweighted per-head RMSNorm; rope is partial (the trailing ``rope_
 the query's position) before the grouped low-rank output projection (``o_groups`` blocks to ``o_lora_rank`` each,
 then ``o_b_proj``). A learned per-head sink logit joins each softmax.
 
-Here the window and the entries live in per-sequence tensors (:class:`AttentionState`), one sequence at a time;
-the engine's paged, batched form of the same computation is :mod:`metainfer_gen.llm.layers.v4_paged_attention`.
-Not yet: tensor parallelism, FP8. Source: DeepSeek-V4 paper section 2.3; transformers 5.24
-``DeepseekV4Attention``, ``DeepseekV4Indexer``, ``eager_attention_forward`` (the correctness reference).
+Here the window and the entries live in per-sequence tensors (:class:`AttentionState`), one sequence at a time; the
+engine's paged, batched form of the same computation is :mod:`metainfer_gen.llm.layers.v4_paged_attention`. Tensor
+parallelism splits the heads (``q_b_proj`` column-parallel, ``sinks``) and whole output groups (``o_a_proj``'s
+blocks, ``o_b_proj`` row-parallel with one all-reduce); the K=V head, compressors and indexer are replicated
+(:mod:`metainfer_gen.llm.models.v4_tensor_parallel`). Not yet: FP8. Source: DeepSeek-V4 paper section 2.3;
+transformers 5.24 ``DeepseekV4Attention``, ``DeepseekV4Indexer``, ``eager_attention_forward`` (the correctness
+reference).
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from torch import nn
 from metainfer_gen import kernels
 from metainfer_gen.llm.layers.hyper_connection import unweighted_rms_norm
 from metainfer_gen.llm.layers.kv_compressor import CompressorState, KVCompressor
-from metainfer_gen.llm.layers.linear import ReplicatedLinear
+from metainfer_gen.llm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from metainfer_gen.llm.layers.norm import RMSNorm
+from metainfer_gen.llm.parallel import Shard, TensorParallel
 
 _COMPRESSED = ("compressed_sparse_attention", "heavily_compressed_attention")
 
@@ -67,7 +71,8 @@ class IndexerScorer(nn.Module):
 
 
 class Indexer(KVCompressor):
-    """CSA's lightning indexer: its own overlapping compressor at ``index_head_dim`` plus query heads.
+    """CSA's lightning indexer: its own overlapping compressor at ``index_head_dim`` plus query heads; replicated
+    on every tensor-parallel rank (its heads are summed into one score per entry before the top-k).
 
     Scores ``sum_h w_h relu(q_h . k) / sqrt(D_i)`` with ``w = weights_proj(x) / sqrt(H_i)``, in float32."""
 
@@ -99,7 +104,8 @@ class Indexer(KVCompressor):
 
 
 class CSACompressor(KVCompressor):
-    """The CSA compressor (rate 4, overlapping windows) with its indexer (checkpoint ``compressor.indexer.*``)."""
+    """The CSA compressor (rate 4, overlapping windows) with its indexer (checkpoint ``compressor.indexer.*``);
+    replicated on every tensor-parallel rank (its entries are per token, shared by every head)."""
 
     def __init__(self, config, rope_dim: int):
         super().__init__(config.hidden_size, config.head_dim, config.compress_rates[_COMPRESSED[0]], True, rope_dim,
@@ -110,12 +116,19 @@ class CSACompressor(KVCompressor):
 class V4Attention(nn.Module):
     """One V4 attention layer; ``config`` is a transformers ``DeepseekV4Config``.
 
+    Under tensor parallelism ``tp`` a rank holds ``num_heads / size`` heads and ``o_groups / size`` whole output
+    groups (``num_heads`` and ``o_groups`` are then this rank's counts); the K=V head (``kv_proj``, ``kv_norm``),
+    the q LoRA's first half (``q_a_proj``, ``q_a_norm``: the indexer reads its output) and the compressor are
+    replicated; ``o_b_proj`` sums the ranks' outputs.
+
     Raises:
-        ValueError: an unknown ``layer_types`` entry, or heads not divisible into ``o_groups``.
+        ValueError: an unknown ``layer_types`` entry, heads not divisible into ``o_groups``, or heads / groups
+            not divisible by the tensor-parallel size.
     """
 
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, tp: TensorParallel | None = None):
         super().__init__()
+        tp = tp or TensorParallel.single()
         self.layer_type = config.layer_types[layer_idx]
         if self.layer_type not in ("sliding_attention", *_COMPRESSED):
             raise ValueError(f"layer_types[{layer_idx}] = {self.layer_type!r} is not a DeepSeek-V4 attention type")
@@ -123,19 +136,22 @@ class V4Attention(nn.Module):
             raise ValueError(f"{config.num_attention_heads} heads x {config.head_dim} do not split into "
                              f"o_groups={config.o_groups}")
         self.rope_type = "main" if self.layer_type == "sliding_attention" else "compress"
-        self.num_heads, self.head_dim, self.window = config.num_attention_heads, config.head_dim, config.sliding_window
-        self.o_groups, self.eps = config.o_groups, config.rms_norm_eps
+        heads, groups = config.num_attention_heads, config.o_groups
+        self.num_heads, self.o_groups = tp.split(heads, "num_attention_heads"), tp.split(groups, "o_groups")
+        self.head_dim, self.window, self.eps = config.head_dim, config.sliding_window, config.rms_norm_eps
         rope_dim = int(self.head_dim * config.rope_parameters[self.rope_type].get("partial_rotary_factor", 1.0))
         hidden, q_rank = config.hidden_size, config.q_lora_rank
         self.q_a_proj = ReplicatedLinear(hidden, q_rank)
         self.q_a_norm = RMSNorm(q_rank, config.rms_norm_eps)
-        self.q_b_proj = ReplicatedLinear(q_rank, self.num_heads * self.head_dim)
+        self.q_b_proj = ColumnParallelLinear(q_rank, heads * self.head_dim, tp=tp)
         self.kv_proj = ReplicatedLinear(hidden, self.head_dim)
         self.kv_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.o_a_proj = ReplicatedLinear(self.num_heads * self.head_dim // self.o_groups,
-                                         self.o_groups * config.o_lora_rank)  # block-diagonal: one block a group
-        self.o_b_proj = ReplicatedLinear(self.o_groups * config.o_lora_rank, hidden)
+        # block-diagonal, one (o_lora_rank, N D / g) block a group: a rank's rows are its own groups' blocks
+        self.o_a_proj = ColumnParallelLinear(heads * self.head_dim // groups, groups * config.o_lora_rank, tp=tp)
+        self.o_b_proj = RowParallelLinear(groups * config.o_lora_rank, hidden, tp=tp)
         self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
+        if tp.enabled:
+            self.sinks.tp_shard = Shard(0, tp.rank * self.num_heads, self.num_heads, heads)
         self.compressor = None
         if self.layer_type == _COMPRESSED[0]:
             self.compressor = CSACompressor(config, rope_dim)

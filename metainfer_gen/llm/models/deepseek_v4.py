@@ -20,10 +20,12 @@ from functools import partial
 import torch
 from torch import nn
 
+from metainfer_gen.llm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from metainfer_gen.llm.layers.hyper_connection import HyperConnection, HyperHead
 from metainfer_gen.llm.layers.norm import RMSNorm
 from metainfer_gen.llm.layers.v4_attention import AttentionState, V4Attention
 from metainfer_gen.llm.layers.v4_moe import V4MoE
+from metainfer_gen.llm.parallel import TensorParallel
 
 
 class V4RotaryTables(nn.Module):
@@ -43,11 +45,14 @@ class V4RotaryTables(nn.Module):
 
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    """Attention and MoE between two hyper-connections; ``tp`` splits the attention heads and the experts (norms and
+    hyper-connections are replicated)."""
+
+    def __init__(self, config, layer_idx: int, tp: TensorParallel | None = None):
         super().__init__()
         hc = (config.hc_mult, config.hidden_size, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
-        self.self_attn = V4Attention(config, layer_idx)
-        self.mlp = V4MoE(config, layer_idx)
+        self.self_attn = V4Attention(config, layer_idx, tp)
+        self.mlp = V4MoE(config, layer_idx, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn_hc = HyperConnection(*hc)
@@ -64,13 +69,14 @@ class V4DecoderLayer(nn.Module):
 
 
 class V4Model(nn.Module):
-    """Embedding, decoder layers, HyperHead and final norm (checkpoint prefix ``model.``)."""
+    """Embedding (split by vocabulary under ``tp``), decoder layers, HyperHead and final norm (checkpoint prefix
+    ``model.``)."""
 
-    def __init__(self, config):
+    def __init__(self, config, tp: TensorParallel | None = None):
         super().__init__()
         self.hc_mult = config.hc_mult
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(V4DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(V4DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.hc_head = HyperHead(config.hc_mult, config.hidden_size, config.hc_eps, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -83,15 +89,22 @@ class V4CausalLM(nn.Module):
     Args:
         config: a transformers ``DeepseekV4Config``.
         max_positions: size of the rope tables (the longest sequence it can run).
+        tp: this rank's place under tensor parallelism (None: one process); what is split and what replicated:
+            :mod:`metainfer_gen.llm.models.v4_tensor_parallel`.
     Raises:
-        ValueError: a layer or MLP type V4 does not define (from the layers).
+        ValueError: a layer or MLP type V4 does not define (from the layers); a tensor-parallel size that does not
+            divide the heads, output groups or shared-expert columns (before any layer is built).
     """
 
-    def __init__(self, config, max_positions: int):
+    def __init__(self, config, max_positions: int, tp: TensorParallel | None = None):
+        from metainfer_gen.llm.models.v4_tensor_parallel import check_v4_tensor_parallel
+
         super().__init__()
+        tp = tp or TensorParallel.single()
+        check_v4_tensor_parallel(config, tp.size)
         self.config, self.max_positions = config, max_positions
-        self.model = V4Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = V4Model(config, tp)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
         self.rotary = V4RotaryTables(config, max_positions)
 
 

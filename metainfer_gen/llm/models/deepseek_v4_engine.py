@@ -16,9 +16,11 @@ while a pool tensor pays its row in every block, so a paged copy would cost each
 The table is keyed by ``seq_id`` (``AttentionMetadata.seq_ids``); a sequence at position 0 starts fresh (a preempted
 sequence is recomputed from 0), the runner frees an entry when its sequence finishes, aborts or is preempted; a
 step's updates are kept only once its forward completes, with the state it started from, so a step run again
-(``step_recovery`` reruns a failed step's sequences, even after their forward completed) starts from the same
-state. Prefix caching is off for V4 (``prefix_caching_refusal``): an entry and the compressor state at a block
-boundary depend on tokens of both blocks, so blocks are not reusable alone yet.
+(``step_recovery`` reruns a failed step's sequences, even after their forward completed) starts from the same state.
+Under tensor parallelism every rank keeps its own table: every rank runs the same steps over the same tokens, and
+the compressors are replicated, so the tables stay alike without any exchange. Prefix caching is off for V4
+(``prefix_caching_refusal``): an entry and the compressor state at a block boundary depend on tokens of both blocks,
+so blocks are not reusable alone yet.
 
 Source: transformers 5.24 ``modeling_deepseek_v4.py`` (``DeepseekV4ForCausalLM``, the correctness reference).
 """
@@ -133,15 +135,17 @@ class CompressorStates:
 
 class DeepseekV4ForCausalLM(V4CausalLM):
     """The engine's DeepSeek-V4 (``config``: a transformers ``DeepseekV4Config``; ``max_positions``: the engine's
-    ``max_model_len``; see :class:`~metainfer_gen.llm.models.deepseek_v4.V4CausalLM`)."""
+    ``max_model_len``; ``tp``: this rank's place under tensor parallelism, None for one process; see
+    :class:`~metainfer_gen.llm.models.deepseek_v4.V4CausalLM`). The pool is replicated over the ranks (one K=V head
+    and per-token entries, which every head reads)."""
 
     static_decode_refusal = ("deepseek_v4: its attention gathers per sequence and its compressors keep per-sequence "
                              "buffers, not traced into a static graph yet")
     prefix_caching_refusal = ("deepseek_v4: compressed entries and compressor buffers span block boundaries, so a "
                               "cached block is not reusable alone yet")
 
-    def __init__(self, config, max_positions: int):
-        super().__init__(config, max_positions)
+    def __init__(self, config, max_positions: int, tp=None):
+        super().__init__(config, max_positions, tp)
         self.attention_path = attention_path(config)
         compressors = [layer.self_attn.compressor for layer in self.model.layers]
         self.states = CompressorStates(compressors)

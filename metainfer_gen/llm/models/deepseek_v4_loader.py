@@ -7,7 +7,9 @@ in-memory names, which the model uses), following transformers 5.24 ``conversion
 the same renames, and the per-expert ``w1`` / ``w3`` / ``w2`` into rows of the fused ``gate_up_proj`` (gate rows,
 then up rows) and ``down_proj``. The model is built on the meta device, given its storage in the run dtype, and
 filled from :class:`~metainfer_gen.llm.checkpoint.SafetensorsCheckpoint` reads (a slice of one tensor at a time).
-Weights beyond ``num_hidden_layers`` (multi-token prediction) are skipped.
+Weights beyond ``num_hidden_layers`` (multi-token prediction) are skipped. Under tensor parallelism each rank
+reads only its part of a split tensor (the parameter's ``tp_shard``: its rows or columns, safetensors
+``get_slice``) and only its own experts' tensors, so no rank reads a split tensor whole.
 """
 
 from __future__ import annotations
@@ -60,9 +62,38 @@ def engine_name(name: str, intermediate_size: int) -> tuple[str, tuple]:
     return name, ()
 
 
-def load_v4_model(path: Path, config, *, dtype: torch.dtype, device: torch.device, max_positions: int):
+def _destination(param: torch.Tensor, index: tuple) -> tuple[torch.Tensor, tuple, int] | None:
+    """Where this rank puts a checkpoint tensor that fills ``param[index]`` (``index`` from :func:`engine_name`):
+    (destination view, index to read from the checkpoint tensor, entries filled), or None when the tensor is
+    another rank's (an expert it does not hold). A vocabulary shard's padded tail is zeroed and counted filled."""
+    shard = getattr(param, "tp_shard", None)
+    if shard is None:
+        return (param[index] if index else param), (), (param[index] if index else param).numel()
+    if index:  # one expert of the fused experts, split over ranks along dimension 0
+        local = index[0] - shard.start
+        if not 0 <= local < shard.length:
+            return None
+        dest = param[(local, *index[1:])]
+        return dest, (), dest.numel()
+    if shard.num_valid < shard.length:
+        param.narrow(shard.dim, shard.num_valid, shard.length - shard.num_valid).zero_()
+    return param.narrow(shard.dim, 0, shard.num_valid), shard.index, param.numel()
+
+
+def _full_shape(dest: torch.Tensor, param: torch.Tensor, index: tuple) -> tuple[int, ...]:
+    """The checkpoint shape a tensor filling ``dest`` must have (the whole tensor along a split dimension)."""
+    shard = getattr(param, "tp_shard", None)
+    if shard is None or index:
+        return tuple(dest.shape)
+    shape = list(param.shape)
+    shape[shard.dim] = shard.total
+    return tuple(shape)
+
+
+def load_v4_model(path: Path, config, *, dtype: torch.dtype, device: torch.device, max_positions: int, tp=None):
     """The engine's :class:`~metainfer_gen.llm.models.deepseek_v4_engine.DeepseekV4ForCausalLM` with the
-    checkpoint's weights, floating-point tensors in ``dtype`` (integer buffers such as ``tid2eid`` as stored).
+    checkpoint's weights, floating-point tensors in ``dtype`` (integer buffers such as ``tid2eid`` as stored);
+    ``tp`` (a :class:`~metainfer_gen.llm.parallel.TensorParallel`, None: one process) picks this rank's shards.
 
     Raises:
         RuntimeError: model parameters the checkpoint lacks (or fills only in part), tensors the model has no
@@ -73,8 +104,12 @@ def load_v4_model(path: Path, config, *, dtype: torch.dtype, device: torch.devic
     from metainfer_gen.llm.models.deepseek_v4_engine import DeepseekV4ForCausalLM
 
     with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(config, max_positions)
-    model.to(dtype).to_empty(device=device)
+        model = DeepseekV4ForCausalLM(config, max_positions, tp)
+    shards = {name: p.tp_shard for name, p in model.named_parameters() if hasattr(p, "tp_shard")}
+    model.to(dtype).to_empty(device=device)  # new parameters: their tp_shard is carried over below
+    for name, param in model.named_parameters():
+        if name in shards:
+            param.tp_shard = shards[name]
     targets = dict(model.named_parameters())
     targets.update(model.named_buffers())
     filled: dict[str, int] = {}
@@ -88,13 +123,17 @@ def load_v4_model(path: Path, config, *, dtype: torch.dtype, device: torch.devic
             if target not in targets:
                 unexpected.append(name)
                 continue
-            dest = targets[target][index] if index else targets[target]
-            if tuple(dest.shape) != ckpt.shape(name):
-                wrong.append(f"{name} {ckpt.shape(name)} -> {target} {tuple(dest.shape)}")
-                continue
             with torch.no_grad():
-                dest.copy_(ckpt.read(name))
-            filled[target] = filled.get(target, 0) + dest.numel()
+                place = _destination(targets[target], index)
+                if place is None:
+                    continue
+                dest, read_index, count = place
+                full = _full_shape(dest, targets[target], index)
+                if full != ckpt.shape(name):
+                    wrong.append(f"{name} {ckpt.shape(name)} -> {target} {full}")
+                    continue
+                dest.copy_(ckpt.read(name, read_index))
+            filled[target] = filled.get(target, 0) + count
     if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in filled:
         model.lm_head.weight = model.model.embed_tokens.weight
         filled["lm_head.weight"] = model.lm_head.weight.numel()

@@ -46,8 +46,7 @@ class ModelFamily:
 _V4_ATTENTION = ("sliding-window K=V rows + compressed entries (CSA: the indexer's top-k of the 4x entries, HCA: "
                  "all 128x entries) over the paged pool, per sequence; compressor buffers in a per-sequence table")
 # What the engine does not do for V4 yet; settings that need it are refused (check_engine_settings).
-_V4_NOT_YET = {"tensor_parallel": "its attention state, hyper-connections and experts are not sharded yet",
-               "fp8": "its layers have no FP8 weights or FP8 KV cache yet"}
+_V4_NOT_YET = {"fp8": "its layers have no FP8 weights or FP8 KV cache yet"}
 
 FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     ModelFamily("deepseek_v3", "MLA over the paged latent cache (absorbed decode, cheaper-form prefill)"),
@@ -83,14 +82,20 @@ def check_engine_settings(config, *, tensor_parallel_size: int = 1, quantization
 
     Raises:
         ValueError: tensor parallelism, FP8 weights (asked, or declared by the checkpoint's
-            ``quantization_config``) or an FP8 KV cache for a family whose ``not_yet`` names them; the message
-            says why and what to set instead.
+            ``quantization_config``) or an FP8 KV cache for a family whose ``not_yet`` names them; a DeepSeek-V4
+            ``tensor_parallel_size`` that does not divide its heads, output groups or shared-expert columns
+            (:func:`~metainfer_gen.llm.models.v4_tensor_parallel.check_v4_tensor_parallel`). The message says why
+            and what to set instead.
     """
     family = FAMILIES[config.model_type]
     name = config.model_type
     if tensor_parallel_size > 1 and "tensor_parallel" in family.not_yet:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: not yet for {name} "
                          f"({family.not_yet['tensor_parallel']}); use tensor_parallel_size=1")
+    if name == "deepseek_v4":
+        from metainfer_gen.llm.models.v4_tensor_parallel import check_v4_tensor_parallel
+
+        check_v4_tensor_parallel(config, tensor_parallel_size)
     if "fp8" in family.not_yet:
         declared = getattr(config, "quantization_config", None)
         asked = {"quantization='fp8'": quantization == "fp8", "kv_cache_dtype='fp8'": kv_cache_dtype == "fp8",
