@@ -96,11 +96,19 @@ class Indexer(KVCompressor):
     def pick(self, q, weights, keys, positions) -> torch.Tensor:
         """:meth:`select` from :meth:`queries`' output: keys (W, D_i) of entries 0 .. W - 1, positions (T,)
         -> (T, W) bool."""
+        picked, valid = self.top_entries(q, weights, keys, positions)
+        return torch.zeros(q.shape[0], keys.shape[0], dtype=torch.bool, device=q.device).scatter_(1, picked, valid)
+
+    def top_entries(self, q, weights, keys, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`pick` as indices: (picked (T, min(topk, W)) int64 entry ids, valid (T, min(topk, W)) bool: the
+        entry is complete before the query). Each row's scores and top-k depend on that row alone (the top-k sees
+        the whole row, so exact ties at 0 break as in one call over every query), so rows may come in tiles."""
         scores = torch.relu(q.float() @ keys.float().T) * self.head_dim ** -0.5  # (T, H_i, W)
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # (T, W)
-        visible = torch.arange(keys.shape[0], device=q.device)[None] < ((positions + 1) // self.rate)[:, None]
+        complete = ((positions + 1) // self.rate)[:, None]
+        visible = torch.arange(keys.shape[0], device=q.device)[None] < complete
         picked = scores.masked_fill(~visible, float("-inf")).topk(min(self.topk, keys.shape[0]), dim=-1).indices
-        return torch.zeros_like(visible).scatter_(1, picked, True) & visible
+        return picked, picked < complete
 
 
 class CSACompressor(KVCompressor):
@@ -205,12 +213,21 @@ class V4Attention(nn.Module):
         index = torch.arange(state.entries.shape[0], device=x.device)
         return state.entries, index[None] < ((positions + 1) // rate)[:, None]
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """q (T, N, D) over keys = values (L, D) where ``visible`` (T, L); a sink logit per head joins the
-        softmax and takes its share of the weight, then is dropped. -> (T, N, D)."""
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+                selected: torch.Tensor | None = None, selected_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """q (T, N, D) over keys = values (L, D) where ``visible`` (T, L), and, when given, over each query's own
+        ``selected`` keys = values (T, k, D) where ``selected_valid`` (T, k) (CSA's top-k entries, gathered: the
+        same softmax as masking every other entry out, without a (T, N, W) score over all W entries); a sink logit
+        per head joins the softmax and takes its share of the weight, then is dropped. -> (T, N, D)."""
         scores = torch.einsum("tnd,ld->tnl", q, keys) * self.head_dim ** -0.5
-        scores = scores.masked_fill(~visible[:, None], float("-inf"))
-        sinks = self.sinks.to(scores.dtype).view(1, -1, 1).expand(scores.shape[0], -1, 1)
-        logits = torch.cat([scores, sinks], dim=-1)
+        parts = [scores.masked_fill(~visible[:, None], float("-inf"))]
+        if selected is not None:
+            own = torch.einsum("tnd,tkd->tnk", q, selected) * self.head_dim ** -0.5
+            parts.append(own.masked_fill(~selected_valid[:, None], float("-inf")))
+        parts.append(self.sinks.to(scores.dtype).view(1, -1, 1).expand(scores.shape[0], -1, 1))
+        logits = torch.cat(parts, dim=-1)
         probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
-        return torch.einsum("tnl,ld->tnd", probs.to(keys.dtype), keys)
+        out = torch.einsum("tnl,ld->tnd", probs[..., :keys.shape[0]].to(keys.dtype), keys)
+        if selected is None:
+            return out
+        return out + torch.einsum("tnk,tkd->tnd", probs[..., keys.shape[0]:].to(selected.dtype), selected)

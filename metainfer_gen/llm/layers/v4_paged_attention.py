@@ -14,7 +14,10 @@ What does not fit a block (the compressor's pending tokens, fewer than ``r`` pro
 half) is a per-sequence :class:`~metainfer_gen.llm.layers.kv_compressor.CompressorState`, passed in by the model
 (:mod:`metainfer_gen.llm.models.deepseek_v4_engine` says where it lives). The projections run once over all T
 tokens; the window grouping of the compressors, the indexer's top-k and the attention itself run sequence by
-sequence (their key sets differ per sequence). Source: transformers 5.24 ``DeepseekV4Attention`` and its caches.
+sequence (their key sets differ per sequence), a few query rows at a time (at most ``ROW_TILE_ELEMENTS`` scores
+held; the indexer's top-k still sees each query's whole row), and a CSA query attends to its top-k entries
+gathered from the pool rather than to every entry under a mask, so a prefill chunk's peak does not grow with the
+context (docs/llm_engine.md gives the figures). Source: transformers 5.24 ``DeepseekV4Attention`` and its caches.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import torch
 
 from metainfer_gen.llm.layers.kv_compressor import CompressorState
 from metainfer_gen.llm.layers.v4_attention import CSACompressor, V4Attention
+
+ROW_TILE_ELEMENTS = 1 << 20  # attention / indexer scores held at once per sequence: 4 MB in float32
 
 
 def entry_slots_per_block(block_size: int, rate: int) -> int:
@@ -97,27 +102,55 @@ def paged_v4_attention(attn: V4Attention, x: torch.Tensor, meta, views: list[Seq
         if isinstance(comp, CSACompressor):
             indexer = comp.indexer
             projected += [indexer.kv_proj(x), indexer.gate_proj(x), *indexer.queries(x, q_resid, *rope["compress"])]
-    positions = meta.positions
     out = torch.empty_like(q)
     for view, state in zip(views, states):
         rows = view.rows
         lo = max(0, view.start - attn.window + 1)
-        keys = window[view.slots[lo:]].to(q.dtype)
+        keys = window[view.slots[lo:]].to(q.dtype)  # the sliding window's K=V rows (T_i + window - 1 at most, D)
         key_pos = torch.arange(lo, view.context_len, device=x.device)
-        pos = positions[rows]
-        visible = (key_pos[None] <= pos[:, None]) & (key_pos[None] > pos[:, None] - attn.window)
+        pos, q_i, out_i = meta.positions[rows], q[rows], out[rows]
+        entries = None
         if comp is not None:
-            entries, entry_visible = _compressed(attn, view, state, [p[rows] for p in projected], caches.entries,
-                                                 meta.block_size, pos, rope["tables"]["compress"])
-            keys, visible = torch.cat([keys, entries]), torch.cat([visible, entry_visible], dim=1)
-        out[rows] = attn._attend(q[rows], keys, visible)
+            entries = _compressed(attn, view, state, [p[rows] for p in projected], caches.entries, meta.block_size,
+                                  rope["tables"]["compress"])
+        if isinstance(entries, torch.Tensor):  # HCA: every complete entry joins the keys
+            keys = torch.cat([keys, entries])
+        for t in _row_tiles(pos.shape[0], _width(attn, keys.shape[0], entries)):
+            p = pos[t]
+            visible = (key_pos[None] <= p[:, None]) & (key_pos[None] > p[:, None] - attn.window)
+            if isinstance(entries, torch.Tensor):
+                complete = torch.arange(entries.shape[0], device=p.device)[None] < ((p + 1) // comp.rate)[:, None]
+                out_i[t] = attn._attend(q_i[t], keys, torch.cat([visible, complete], dim=1))
+            elif entries is not None:  # CSA: the indexer's top-k entries of each query, gathered
+                rows_of, index_keys, cache_rows = entries
+                picked, valid = comp.indexer.top_entries(projected[4][rows][t], projected[5][rows][t], index_keys, p)
+                selected = cache_rows[rows_of[picked], :attn.head_dim].to(q.dtype)  # (R, k, D)
+                out_i[t] = attn._attend(q_i[t], keys, visible, selected, valid)
+            else:
+                out_i[t] = attn._attend(q_i[t], keys, visible)
     return attn.project_out(out, cos, sin)
 
 
+def _width(attn: V4Attention, num_keys: int, entries) -> int:
+    """Scores one query row holds at once: heads x keys, and on CSA the indexer's heads x every entry."""
+    if entries is None or isinstance(entries, torch.Tensor):
+        return attn.num_heads * num_keys
+    indexer = attn.compressor.indexer
+    return max(attn.num_heads * (num_keys + indexer.topk), indexer.num_heads * entries[1].shape[0])
+
+
+def _row_tiles(num_rows: int, width: int):
+    """Slices of at most ``ROW_TILE_ELEMENTS // width`` query rows (at least one)."""
+    step = max(1, ROW_TILE_ELEMENTS // max(width, 1))
+    for start in range(0, num_rows, step):
+        yield slice(start, min(num_rows, start + step))
+
+
 def _compressed(attn: V4Attention, view: SequenceView, state, projected: list[torch.Tensor], cache: torch.Tensor,
-                block_size: int, pos: torch.Tensor, tables) -> tuple[torch.Tensor, torch.Tensor]:
-    """Feed one sequence's new tokens to the layer's compressor(s), store the entries they close, and read back
-    every entry complete so far: (entries (W, head_dim), (T_i, W) which ones each query sees)."""
+                block_size: int, tables):
+    """Feed one sequence's new tokens to the layer's compressor(s) and store the entries they close. Returns, on
+    HCA, every complete entry (W, head_dim); on CSA, what the indexer and the gather need: (the pool row of each
+    complete entry (W,) int64, the entries' indexer keys (W, index_head_dim), the pool rows (slots, row width))."""
     comp, (comp_state, index_state) = attn.compressor, state
     rate, head_dim = comp.rate, comp.head_dim
     pending = 0 if comp_state.kv is None else comp_state.kv.shape[0]
@@ -132,9 +165,7 @@ def _compressed(attn: V4Attention, view: SequenceView, state, projected: list[to
     index = slots // block_size * cache.shape[1] + slots % block_size // rate  # its compact entry slot
     rows[index[first:], :head_dim] = new.to(rows.dtype)
     if isinstance(comp, CSACompressor):
-        indexer = comp.indexer
-        rows[index[first:], head_dim:] = indexer.compress(projected[2], projected[3], index_state, *tables).to(
+        rows[index[first:], head_dim:] = comp.indexer.compress(projected[2], projected[3], index_state, *tables).to(
             rows.dtype)
-        stored = rows[index].to(new.dtype)
-        return stored[:, :head_dim], indexer.pick(projected[4], projected[5], stored[:, head_dim:], pos)
-    return rows[index].to(new.dtype), torch.arange(num, device=pos.device)[None] < ((pos + 1) // rate)[:, None]
+        return index, rows[index, head_dim:].to(new.dtype), rows
+    return rows[index].to(new.dtype)
