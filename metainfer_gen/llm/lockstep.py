@@ -3,8 +3,10 @@
 Under tensor parallelism each layer's collectives need every rank in the same forward, but requests reach rank 0
 only (the HTTP server, the CLI). Rank 0 keeps the whole engine (scheduler, block manager, sampling); before each
 step's forward it broadcasts the step's plan (per scheduled sequence: its id, first position, the token ids of the
-step, its block table) on a control group of its own. The other ranks rebuild the step from the plan and run the
-forward and the LM head's gather, dropping the logits; rank 0 samples. A ``None`` plan stops them.
+step, its block table) on a control group of its own, with the ids of the sequences it released since the last
+step (finished or aborted: a model with per-sequence state, DeepSeek-V4's compressor buffers, frees theirs on every
+rank). The other ranks rebuild the step from the plan and run the forward and the LM head's gather, dropping the
+logits; rank 0 samples. A message without a plan (its last releases only) stops them.
 
     lead = Lockstep.lead(engine)     # rank 0, after load and warm-up: engine.step() now broadcasts
     ...                              # serve / generate
@@ -50,7 +52,8 @@ def rebuild(step: list[tuple[int, int, list[int], list[int], int]]) -> Scheduler
 
 
 class _LeadRunner:
-    """Rank 0's runner: broadcasts each step's plan, then runs it; everything else is the wrapped runner's."""
+    """Rank 0's runner: broadcasts each step's plan (and the sequences released since the last one), then runs it;
+    everything else is the wrapped runner's."""
 
     def __init__(self, runner, lockstep: "Lockstep"):
         self._runner = runner
@@ -59,6 +62,11 @@ class _LeadRunner:
     def run(self, out: SchedulerOutput) -> dict[int, int]:
         self._lockstep.send(plan(out))
         return self._runner.run(out)
+
+    def release(self, seq) -> None:
+        """Release ``seq`` here, and on the other ranks with the next message."""
+        self._lockstep.released.append(seq.seq_id)
+        self._runner.release(seq)
 
     def __getattr__(self, name):
         return getattr(self._runner, name)
@@ -86,6 +94,7 @@ class Lockstep:
         self._src = handle.ranks[0]
         self._group = dist.new_group(list(handle.ranks), backend="gloo", timeout=IDLE_TIMEOUT)
         self._stopped = False
+        self.released: list[int] = []  # rank 0: sequence ids released since the last message
 
     @classmethod
     def lead(cls, engine) -> "Lockstep":
@@ -100,21 +109,28 @@ class Lockstep:
     def follow(cls, engine) -> int:
         """Ranks 1..N-1: run every step rank 0 broadcasts until it stops; returns the number of steps run."""
         lockstep = cls(engine)
+        release = getattr(engine.runner.model, "release_sequence", None)
         num_steps = 0
-        while (step := lockstep.receive()) is not None:
+        while True:
+            step, released = lockstep.receive()
+            for seq_id in released if release is not None else ():
+                release(seq_id)
+            if step is None:
+                break
             with engine.compile_guard():
                 engine.runner.forward_logits(rebuild(step))
             num_steps += 1
         return num_steps
 
     def send(self, step) -> None:
-        """Rank 0: broadcast one step's plan (None: stop)."""
+        """Rank 0: broadcast one step's plan (None: stop) with the sequences released since the last message."""
         import torch.distributed as dist
 
-        dist.broadcast_object_list([step], src=self._src, group=self._group)
+        message, self.released = (step, self.released), []
+        dist.broadcast_object_list([message], src=self._src, group=self._group)
 
     def receive(self):
-        """The next plan from rank 0 (None: stop)."""
+        """The next message from rank 0: (plan, or None to stop; ids of the sequences it released)."""
         import torch.distributed as dist
 
         box = [None]

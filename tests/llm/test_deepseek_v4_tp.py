@@ -1,6 +1,7 @@
 """DeepSeek-V4 under tensor parallelism: a TP=2 engine (2 CPU ranks, gloo + shared memory) generates transformers'
 greedy tokens on two layer-type mixes (a hash-routed first layer in both) with chunked prefill, each rank holding
-only its shard of the split weights; indivisible sizes are refused before any process group."""
+only its shard of the split weights; under ``Lockstep`` (rank 0 schedules) the followers free finished sequences'
+compressor state too; indivisible sizes are refused before any process group."""
 
 from __future__ import annotations
 
@@ -45,6 +46,19 @@ def test_tp2_greedy_tokens_equal_transformers(tmp_path):
                 assert torch.equal(torch.tensor(run["weights"][name]), full[name].narrow(dim, rank * size, size)), name
             for name in REPLICATED:
                 assert torch.equal(torch.tensor(run["weights"][name]), full[name]), name
+
+
+def test_lockstep_followers_free_finished_sequences_state(tmp_path):
+    """Rank 0 leads (the serving launch), rank 1 follows: rank 0's tokens are transformers', and the follower,
+    which never sees a sequence finish, frees each one's compressor state when rank 0 says it released it."""
+    model = _save(tmp_path / "v4", MIXES[0][0])
+    prompts = random_prompts(len(LENGTHS), 128, LENGTHS, seed=4)
+    expected = [hf_greedy(model, p, NEW) for p in prompts]
+    results = run_ranks("tests.llm.tp_workers:lockstep_v4", tmp_path, timeout_s=150, path=str(tmp_path / "v4"),
+                        block_size=MIXES[0][1], prompts=prompts, max_new_tokens=NEW, budget=13)
+    assert results[0]["tokens"] == expected
+    assert results[1]["steps"] > 0
+    assert results[0]["states_left"] == results[1]["states_left"] == 0
 
 
 def test_indivisible_tp_size_is_refused_before_any_process_group(tmp_path):

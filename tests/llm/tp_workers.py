@@ -51,3 +51,26 @@ def greedy_v4_tp(rank: int, world: int, args: dict) -> dict:
         out.append({"tokens": tokens, "weights": weights, "states_left": len(engine.model.states)})
     collectives.shutdown_distributed()  # once: a second engine in the process reuses the first one's groups
     return {"runs": out}
+
+
+def lockstep_v4(rank: int, world: int, args: dict) -> dict:
+    """Rank 0 leads a DeepSeek-V4 engine in lockstep and generates; the others follow. Each reports the compressor
+    states it still holds after the stop (and rank 0 its tokens)."""
+    from metainfer_gen import collectives
+    from metainfer_gen.llm import EngineConfig, LLMEngine, SamplingParams
+    from metainfer_gen.llm.lockstep import Lockstep
+
+    engine = LLMEngine.from_pretrained(args["path"], EngineConfig(
+        tensor_parallel_size=world, block_size=args["block_size"], dtype="float32", max_num_seqs=4,
+        max_num_batched_tokens=args["budget"]))
+    out = {}
+    if rank == 0:
+        lead = Lockstep.lead(engine)
+        params = SamplingParams(max_new_tokens=args["max_new_tokens"], temperature=0.0, ignore_eos=True)
+        out["tokens"] = [o.token_ids for o in engine.generate(args["prompts"], params)]
+        lead.stop()
+    else:
+        out["steps"] = Lockstep.follow(engine)
+    out["states_left"] = len(engine.model.states)
+    collectives.shutdown_distributed()
+    return out
