@@ -83,7 +83,7 @@ def test_chunked_prefill_ending_inside_windows(v4, budget):
 def test_preemption_recomputes_and_keeps_tokens(v4):
     """A pool too small for every running sequence: sequences are preempted (their compressor state freed) and
     recomputed from position 0; tokens unchanged. Whole prefills here: a chunk boundary changes how many entries
-    the indexer's top-k sees, and its ties at a zero score (relu) then break differently (docs/llm_engine.md)."""
+    the indexer's top-k sees, and its ties at a zero score (relu) break differently (docs/llm_deepseek_v4.md)."""
     path, block_size, prompts, expected = v4
     num_blocks = 2 * -(-86 // block_size)  # two 70 + 16 token sequences
     engine = _engine(path, block_size, num_kv_blocks=num_blocks, max_num_batched_tokens=1024)

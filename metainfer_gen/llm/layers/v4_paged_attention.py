@@ -17,7 +17,7 @@ tokens; the window grouping of the compressors, the indexer's top-k and the atte
 sequence (their key sets differ per sequence), a few query rows at a time (at most ``ROW_TILE_ELEMENTS`` scores
 held; the indexer's top-k still sees each query's whole row), and a CSA query attends to its top-k entries
 gathered from the pool rather than to every entry under a mask, so a prefill chunk's peak does not grow with the
-context (docs/llm_engine.md gives the figures). Source: transformers 5.24 ``DeepseekV4Attention`` and its caches.
+context (figures in docs/llm_deepseek_v4.md). Source: transformers 5.24 ``DeepseekV4Attention`` and its caches.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """DeepSeek-V4, the non-paged reference path: one sequence at a time, prefill in any chunks, then decode.
 
-The first V4 increment (``docs/llm_engine.md``): every V4 layer type on the engine's layers, with its state
+The first V4 increment (``docs/llm_deepseek_v4.md``): every V4 layer type on the engine's layers, with its state
 (sliding-window keys, compressor buffers, compressed entries, indexer keys) in per-sequence tensors
 (:class:`~metainfer_gen.llm.layers.v4_attention.AttentionState`), token-exact with transformers; weights come from
 a transformers state dict (:meth:`DeepseekV4Reference.from_hf`). The engine's V4 model, on the same modules, is
