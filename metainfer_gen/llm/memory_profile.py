@@ -96,14 +96,16 @@ def tensor_bytes(module: torch.nn.Module) -> int:
 
 @torch.inference_mode()
 def measure_step_peak(model, starts: list[int], query_lens: list[int], block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> int:
+                      device: torch.device, filled: bool = False) -> int:
     """Peak activation bytes of one engine step: sequence i holds ``starts[i]`` cached tokens and adds
     ``query_lens[i]``; the logits of every sequence's last token included. Building the step's attention
     metadata is counted (it grows with the context), the KV cache is not (the pool is sized separately).
 
     Every sequence's block table points at one scratch block per layer, so a step at any context needs almost no
     cache memory here; attention reads (and the new tokens overwrite) that block, which changes values, not
-    shapes or allocations.
+    shapes or allocations. ``filled`` gives each sequence blocks of its own, filled with N(0, 1) values, as a
+    running engine's cache holds (a pool for the whole context, made before the measurement): on the scratch block
+    every DeepSeek-V4 compressed entry reads the same few rows, so its indexer's scores tie everywhere.
 
     Args:
         model: the engine model (``forward(input_ids, meta, kv_caches)``, ``compute_logits``, ``cache_row_sizes`` or
@@ -116,11 +118,19 @@ def measure_step_peak(model, starts: list[int], query_lens: list[int], block_siz
 
     from metainfer_gen.llm.model_runner import cache_layout
 
-    caches = [torch.zeros(1, slots, 1, row, dtype=dtype, device=device)
-              for slots, row in cache_layout(model, block_size)]
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (sum(query_lens),), generator=generator).to(device)
     tables = [[0] * -(-(s + n) // block_size) for s, n in zip(starts, query_lens)]
+    if filled:
+        offsets = [0]
+        for table in tables:
+            offsets.append(offsets[-1] + len(table))
+        tables = [list(range(a, b)) for a, b in zip(offsets, offsets[1:])]
+        caches = [torch.randn(max(1, offsets[-1]), slots, 1, row, generator=generator).to(dtype=dtype, device=device)
+                  for slots, row in cache_layout(model, block_size)]
+    else:
+        caches = [torch.zeros(1, slots, 1, row, dtype=dtype, device=device)
+                  for slots, row in cache_layout(model, block_size)]
     last = torch.tensor(query_lens).cumsum(0).sub(1).to(device)
 
     def run():
@@ -152,7 +162,7 @@ def measure_prefill_peak(model, num_tokens: int, block_size: int, dtype: torch.d
 
 
 def measure_decode_peak(model, num_seqs: int, context: int, block_size: int, dtype: torch.dtype,
-                        device: torch.device) -> int:
+                        device: torch.device, filled: bool = False) -> int:
     """Peak activation bytes of a decode step of ``num_seqs`` sequences, each at ``context`` tokens; see
     :func:`measure_step_peak`."""
-    return measure_step_peak(model, [context - 1] * num_seqs, [1] * num_seqs, block_size, dtype, device)
+    return measure_step_peak(model, [context - 1] * num_seqs, [1] * num_seqs, block_size, dtype, device, filled)

@@ -1,10 +1,12 @@
 """DeepSeek-V4's activation memory against the context (``llm/layers/v4_paged_attention.py`` scores query rows in
-tiles of ``ROW_TILE_ELEMENTS``; CSA attends to its top-k entries gathered, not to every entry under a mask): the
-peak of the worst prefill chunk grows at most 10% from 8K to 32K context, and tiles of a few rows give
-transformers' greedy tokens."""
+tiles of ``ROW_TILE_ELEMENTS``; CSA attends to its top-k entries gathered, not to every entry under a mask;
+``llm/layers/v4_entries.py`` reads compressed entries ``ENTRY_TILE_TOKENS`` of context at a time): the peak of the
+worst prefill chunk and of a decode step grows at most 10% from 8K to 32K context, and tiles of a few rows or a few
+entries give transformers' greedy tokens."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from metainfer_gen.llm import EngineConfig, LLMEngine, SamplingParams
@@ -44,12 +46,29 @@ def test_prefill_chunk_peak_grows_at_most_10_percent_from_8k_to_32k():
     assert decode[32768] < peaks[8192] / 10, decode  # a decode step reads the context, far below a chunk's peak
 
 
-def test_row_tiles_of_a_few_rows_give_transformers_tokens(tmp_path, monkeypatch):
-    """Tiles of one to a few query rows (the indexer's top-k still sees each query's whole row, so its ties at 0
-    break as in one call), chunked prefill mixed with decodes."""
-    from metainfer_gen.llm.layers import v4_paged_attention
+def test_decode_peak_grows_at_most_10_percent_from_8k_to_32k():
+    """One decode token at 8K and 32K on a filled cache (each sequence its own blocks of random values): the CSA
+    indexer's keys and scores and HCA's entries are read 8K tokens of context at a time and no per-token list of
+    the context is built; what still grows is the block table (one int64 per 16 tokens). On the profiler's scratch
+    block every entry ties, so the indexer also holds its whole row of scores: one float32 per CSA entry."""
+    model = _model(32768)
+    cpu = torch.device("cpu")
+    filled = {ctx: measure_decode_peak(model, 1, ctx, 16, torch.float32, cpu, filled=True) for ctx in (8192, 32768)}
+    assert filled[32768] <= 1.10 * filled[8192], filled
+    tied = measure_decode_peak(model, 1, 32768, 16, torch.float32, cpu)
+    assert tied <= filled[32768] + 4 * (32768 // 4) + 1024, (tied, filled)
 
-    monkeypatch.setattr(v4_paged_attention, "ROW_TILE_ELEMENTS", 400)
+
+@pytest.mark.parametrize("module, name, value", [("v4_paged_attention", "ROW_TILE_ELEMENTS", 400),
+                                                ("v4_entries", "ENTRY_TILE_TOKENS", 8)])
+def test_small_tiles_give_transformers_tokens(tmp_path, monkeypatch, module, name, value):
+    """Tiles of one to a few query rows (the indexer's top-k still sees each query's whole row, so its ties at 0
+    break as in one call), or of 8 tokens of context (two CSA entries, one HCA entry: the indexer's running top-k,
+    its ties at 0 across the k-th place sent to one whole-row top-k, and HCA's online softmax); chunked prefill
+    mixed with decodes."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module(f"metainfer_gen.llm.layers.{module}"), name, value)
     model = _save(tmp_path, [CSA, SLIDING, HCA])
     prompts = random_prompts(4, model.config.vocab_size, (45, 70, 33, 62), seed=4)
     expected = [hf_greedy(model, p, 12) for p in prompts]

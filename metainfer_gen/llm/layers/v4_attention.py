@@ -99,12 +99,16 @@ class Indexer(KVCompressor):
         picked, valid = self.top_entries(q, weights, keys, positions)
         return torch.zeros(q.shape[0], keys.shape[0], dtype=torch.bool, device=q.device).scatter_(1, picked, valid)
 
+    def scores(self, q, weights, keys) -> torch.Tensor:
+        """q (T, H_i, D_i), weights (T, H_i) float32, keys (W, D_i) -> (T, W) float32 scores."""
+        scores = torch.relu(q.float() @ keys.float().T) * self.head_dim ** -0.5  # (T, H_i, W)
+        return (scores * weights.unsqueeze(-1)).sum(dim=1)
+
     def top_entries(self, q, weights, keys, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`pick` as indices: (picked (T, min(topk, W)) int64 entry ids, valid (T, min(topk, W)) bool: the
         entry is complete before the query). Each row's scores and top-k depend on that row alone (the top-k sees
         the whole row, so exact ties at 0 break as in one call over every query), so rows may come in tiles."""
-        scores = torch.relu(q.float() @ keys.float().T) * self.head_dim ** -0.5  # (T, H_i, W)
-        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # (T, W)
+        scores = self.scores(q, weights, keys)
         complete = ((positions + 1) // self.rate)[:, None]
         visible = torch.arange(keys.shape[0], device=q.device)[None] < complete
         picked = scores.masked_fill(~visible, float("-inf")).topk(min(self.topk, keys.shape[0]), dim=-1).indices

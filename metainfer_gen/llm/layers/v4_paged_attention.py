@@ -15,9 +15,11 @@ half) is a per-sequence :class:`~metainfer_gen.llm.layers.kv_compressor.Compress
 (:mod:`metainfer_gen.llm.models.deepseek_v4_engine` says where it lives). The projections run once over all T
 tokens; the window grouping of the compressors, the indexer's top-k and the attention itself run sequence by
 sequence (their key sets differ per sequence), a few query rows at a time (at most ``ROW_TILE_ELEMENTS`` scores
-held; the indexer's top-k still sees each query's whole row), and a CSA query attends to its top-k entries
-gathered from the pool rather than to every entry under a mask, so a prefill chunk's peak does not grow with the
-context (figures in docs/llm_deepseek_v4.md). Source: transformers 5.24 ``DeepseekV4Attention`` and its caches.
+held), the compressed entries a tile of context at a time (:mod:`~metainfer_gen.llm.layers.v4_entries`: the
+indexer's running top-k, whose ties break as one whole-row call, and HCA's online softmax), and a CSA query
+attends to its top-k entries gathered from the pool rather than to every entry under a mask, so neither a prefill
+chunk's peak nor a decode step's grows with the context (figures in docs/llm_deepseek_v4.md). Source:
+transformers 5.24 ``DeepseekV4Attention`` and its caches.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from metainfer_gen.llm.layers.kv_compressor import CompressorState
 from metainfer_gen.llm.layers.v4_attention import CSACompressor, V4Attention
+from metainfer_gen.llm.layers.v4_entries import EntryReader, attend_entries, top_entries
 
 ROW_TILE_ELEMENTS = 1 << 20  # attention / indexer scores held at once per sequence: 4 MB in float32
 
@@ -40,27 +43,32 @@ def entry_slots_per_block(block_size: int, rate: int) -> int:
 @dataclass(frozen=True, slots=True)
 class SequenceView:
     """One sequence of the step: its rows ``rows`` of the flat batch, ``start`` tokens already cached,
-    ``slots`` (context_len,) int64 cache slot of every position of its context."""
+    ``context_len`` tokens after the step, and where its positions live: ``slots`` (context_len,) int64 cache slot
+    of every position (a prefill row: ``meta.prefill_slots``) or, for a decode row, only its block table ``table``
+    (num_blocks,) int64, so a decode step holds no per-token list of its context."""
 
     rows: slice
     start: int
-    slots: torch.Tensor
+    context_len: int
+    block_size: int
+    slots: torch.Tensor | None = None
+    table: torch.Tensor | None = None
 
-    @property
-    def context_len(self) -> int:
-        return int(self.slots.numel())
+    def slot_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """Positions (n,) int64 (< context_len) -> their cache slots (n,) int64."""
+        if self.slots is not None:
+            return self.slots[positions]
+        return self.table[positions // self.block_size] * self.block_size + positions % self.block_size
 
 
 def sequence_views(meta) -> list[SequenceView]:
-    """Per scheduled sequence of ``meta`` (in batch order), its rows and the slots of its whole context."""
-    slots: dict[int, torch.Tensor] = dict(zip(meta.prefill_rows, meta.prefill_slots))
-    if meta.decode_rows:
-        decode = meta.decode_slots()
-        for k, i in enumerate(meta.decode_rows):
-            slots[i] = decode[k, : meta.context_lens[i]]
+    """Per scheduled sequence of ``meta`` (in batch order), its rows and where its context lives."""
+    where: dict[int, dict] = {i: {"slots": s} for i, s in zip(meta.prefill_rows, meta.prefill_slots)}
+    for k, i in enumerate(meta.decode_rows):
+        where[i] = {"table": meta.decode_block_tables[k]}
     offsets = meta.query_offsets
-    return [SequenceView(slice(offsets[i], offsets[i + 1]), meta.starts[i], slots[i])
-            for i in range(len(meta.starts))]
+    return [SequenceView(slice(offsets[i], offsets[i + 1]), meta.starts[i], meta.context_lens[i], meta.block_size,
+                         **where[i]) for i in range(len(meta.starts))]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,37 +114,44 @@ def paged_v4_attention(attn: V4Attention, x: torch.Tensor, meta, views: list[Seq
     for view, state in zip(views, states):
         rows = view.rows
         lo = max(0, view.start - attn.window + 1)
-        keys = window[view.slots[lo:]].to(q.dtype)  # the sliding window's K=V rows (T_i + window - 1 at most, D)
         key_pos = torch.arange(lo, view.context_len, device=x.device)
+        keys = window[view.slot_of(key_pos)].to(q.dtype)  # the sliding window's K=V rows (T_i + window - 1 at most)
         pos, q_i, out_i = meta.positions[rows], q[rows], out[rows]
-        entries = None
+        reader = whole = None
         if comp is not None:
-            entries = _compressed(attn, view, state, [p[rows] for p in projected], caches.entries, meta.block_size,
-                                  rope["tables"]["compress"])
-        if isinstance(entries, torch.Tensor):  # HCA: every complete entry joins the keys
-            keys = torch.cat([keys, entries])
-        for t in _row_tiles(pos.shape[0], _width(attn, keys.shape[0], entries)):
+            reader = _compressed(attn, view, state, [p[rows] for p in projected], caches.entries, meta.block_size,
+                                 rope["tables"]["compress"])
+            if reader.num_entries <= reader.tile_entries and not isinstance(comp, CSACompressor):
+                whole = reader.read(0, reader.num_entries).to(q.dtype)  # HCA: every complete entry joins the keys
+                keys = torch.cat([keys, whole])
+        for t in _row_tiles(pos.shape[0], _width(attn, keys.shape[0], reader)):
             p = pos[t]
             visible = (key_pos[None] <= p[:, None]) & (key_pos[None] > p[:, None] - attn.window)
-            if isinstance(entries, torch.Tensor):
-                complete = torch.arange(entries.shape[0], device=p.device)[None] < ((p + 1) // comp.rate)[:, None]
+            if whole is not None:
+                complete = torch.arange(whole.shape[0], device=p.device)[None] < ((p + 1) // comp.rate)[:, None]
                 out_i[t] = attn._attend(q_i[t], keys, torch.cat([visible, complete], dim=1))
-            elif entries is not None:  # CSA: the indexer's top-k entries of each query, gathered
-                rows_of, index_keys, cache_rows = entries
-                picked, valid = comp.indexer.top_entries(projected[4][rows][t], projected[5][rows][t], index_keys, p)
-                selected = cache_rows[rows_of[picked], :attn.head_dim].to(q.dtype)  # (R, k, D)
+            elif reader is not None and not isinstance(comp, CSACompressor):  # HCA past one tile: merged online
+                out_i[t] = attend_entries(attn, q_i[t], keys, visible, reader, p)
+            elif reader is not None:  # CSA: the indexer's top-k entries of each query, gathered
+                picked, valid = top_entries(comp.indexer, projected[4][rows][t], projected[5][rows][t], reader,
+                                            slice(attn.head_dim, None), p, ROW_TILE_ELEMENTS)
+                selected = reader.rows[reader.index(picked), :attn.head_dim].to(q.dtype)  # (R, k, D)
                 out_i[t] = attn._attend(q_i[t], keys, visible, selected, valid)
             else:
                 out_i[t] = attn._attend(q_i[t], keys, visible)
     return attn.project_out(out, cos, sin)
 
 
-def _width(attn: V4Attention, num_keys: int, entries) -> int:
-    """Scores one query row holds at once: heads x keys, and on CSA the indexer's heads x every entry."""
-    if entries is None or isinstance(entries, torch.Tensor):
+def _width(attn: V4Attention, num_keys: int, reader: EntryReader | None) -> int:
+    """Scores one query row holds at once: heads x keys, and on compressed layers heads x a tile of entries (HCA)
+    or the indexer's heads x a tile of entries (CSA)."""
+    if reader is None:
         return attn.num_heads * num_keys
+    tile = min(reader.num_entries, reader.tile_entries)
+    if not isinstance(attn.compressor, CSACompressor):
+        return attn.num_heads * (num_keys + tile)
     indexer = attn.compressor.indexer
-    return max(attn.num_heads * (num_keys + indexer.topk), indexer.num_heads * entries[1].shape[0])
+    return max(attn.num_heads * (num_keys + indexer.topk), indexer.num_heads * tile + indexer.topk + 1)
 
 
 def _row_tiles(num_rows: int, width: int):
@@ -147,10 +162,9 @@ def _row_tiles(num_rows: int, width: int):
 
 
 def _compressed(attn: V4Attention, view: SequenceView, state, projected: list[torch.Tensor], cache: torch.Tensor,
-                block_size: int, tables):
-    """Feed one sequence's new tokens to the layer's compressor(s) and store the entries they close. Returns, on
-    HCA, every complete entry (W, head_dim); on CSA, what the indexer and the gather need: (the pool row of each
-    complete entry (W,) int64, the entries' indexer keys (W, index_head_dim), the pool rows (slots, row width))."""
+                block_size: int, tables) -> EntryReader:
+    """Feed one sequence's new tokens to the layer's compressor(s), store the entries they close (on CSA with
+    their indexer keys after ``head_dim``) and return a reader of every complete entry."""
     comp, (comp_state, index_state) = attn.compressor, state
     rate, head_dim = comp.rate, comp.head_dim
     pending = 0 if comp_state.kv is None else comp_state.kv.shape[0]
@@ -159,13 +173,11 @@ def _compressed(attn: V4Attention, view: SequenceView, state, projected: list[to
                            f"sequence has {view.start} cached: its state was lost or reused")
     first = comp_state.num_entries
     new = comp.compress(projected[0], projected[1], comp_state, *tables)
-    rows = cache.view(-1, cache.shape[-1])
-    num = view.context_len // rate
-    slots = view.slots[: num * rate: rate]  # the slot of token e r, for every complete entry e
-    index = slots // block_size * cache.shape[1] + slots % block_size // rate  # its compact entry slot
-    rows[index[first:], :head_dim] = new.to(rows.dtype)
+    reader = EntryReader(cache.view(-1, cache.shape[-1]), view.slot_of, rate, block_size, cache.shape[1],
+                         view.context_len // rate)
+    index = reader.index(torch.arange(first, reader.num_entries, device=new.device))  # the new entries' rows
+    reader.rows[index, :head_dim] = new.to(reader.rows.dtype)
     if isinstance(comp, CSACompressor):
-        rows[index[first:], head_dim:] = comp.indexer.compress(projected[2], projected[3], index_state, *tables).to(
-            rows.dtype)
-        return index, rows[index, head_dim:].to(new.dtype), rows
-    return rows[index].to(new.dtype)
+        reader.rows[index, head_dim:] = comp.indexer.compress(projected[2], projected[3], index_state,
+                                                              *tables).to(reader.rows.dtype)
+    return reader
