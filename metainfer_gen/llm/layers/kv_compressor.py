@@ -92,7 +92,7 @@ class KVCompressor(nn.Module):
         if state.kv is not None:
             kv, gate = torch.cat([state.kv, kv]), torch.cat([state.gate, gate])
         usable = kv.shape[0] // self.rate * self.rate
-        state.kv, state.gate = kv[usable:], gate[usable:]
+        state.kv, state.gate = kv[usable:].clone(), gate[usable:].clone()  # a view would hold the step's projection
         num_windows = usable // self.rate
         if not num_windows:
             return kv.new_zeros(0, self.head_dim)
