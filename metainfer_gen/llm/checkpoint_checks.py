@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["FLOAT_DTYPES", "FUSED_EXPERTS", "SCALE", "check_checkpoint", "check_stored"]
+__all__ = ["FLOAT_DTYPES", "FUSED_EXPERTS", "SCALE", "check_checkpoint", "check_scale", "check_stored"]
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")  # safetensors' names of the float dtypes
 SCALE = "weight_scale_inv"
-_SCALE_DTYPES = ("F32", "BF16", "F16")
+_SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0")  # E8M0: ue8m0 powers of two (DeepSeek-V4)
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 FUSED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")  # (E, 2I, H), (E, H, I) tensors
 _BLOCK = 128
@@ -44,13 +44,19 @@ def check_stored(name: str, stored: str, scaled: bool, scale_name: str) -> None:
                          f"ceil(K/128)) float32 to the checkpoint, or save {name} in bf16/fp32")
 
 
-def _check_scale(ckpt, name: str, scale_name: str) -> None:
+def check_scale(ckpt, name: str, scale_name: str) -> None:
+    """Refuse a block-scale tensor ``scale_name`` that is not one float (or ue8m0) per 128x128 block of the fp8
+    weight ``name``, from the headers of ``ckpt``.
+
+    Raises:
+        ValueError: a weight that is not 2-D, a scale grid of another shape or dtype (both named).
+    """
     shape = ckpt.shape(name)
     expected = tuple(-(-size // _BLOCK) for size in shape)
     stored, dtype = ckpt.shape(scale_name), ckpt.dtype(scale_name)
     if len(shape) != 2 or stored != expected or dtype not in _SCALE_DTYPES:
         raise ValueError(f"{scale_name} is {dtype} {stored}, but the fp8 weight {name} {shape} needs one float32 "
-                         f"scale per 128x128 block: shape {expected}; re-export the checkpoint's scales")
+                         f"(or ue8m0) scale per 128x128 block: shape {expected}; re-export the checkpoint's scales")
 
 
 def check_checkpoint(ckpt, config, reads) -> None:
@@ -69,7 +75,7 @@ def check_checkpoint(ckpt, config, reads) -> None:
         scaled = name.endswith("weight") and scale_name in ckpt
         check_stored(name, ckpt.dtype(name), scaled, scale_name)
         if scaled:
-            _check_scale(ckpt, name, scale_name)
+            check_scale(ckpt, name, scale_name)
         if name.endswith(FUSED_EXPERTS) and ckpt.shape(name)[0] != num_experts:
             raise RuntimeError(f"{name} holds {ckpt.shape(name)[0]} experts but config.json's n_routed_experts is "
                                f"{num_experts}: the checkpoint and its config do not match")

@@ -35,7 +35,9 @@ arithmetic there, and the torch fallback dequantises a slice of the weight on ev
 dense linear) each fp8 weight is dequantised once while loading, block by block, to the run dtype. An explicit
 ``quantization="fp8"`` keeps FP8 everywhere (half the weight memory of bf16). The loaded model's ``weight_format``
 (a :class:`WeightFormat`: ``name``, ``reason``) says which happened, and the kernels audit gets an entry at site
-``llm.load.fp8`` (:func:`record_weight_format`).
+``llm.load.fp8`` (:func:`record_weight_format`). A model without FP8 layers (DeepSeek-V4: ``model_refusal`` of
+:func:`choose_weight_format`) has its FP8 checkpoint dequantised at load on every device, by the same loader code
+(:func:`metainfer_gen.llm.weight_fill.dequantise_into`), and refuses ``quantization="fp8"``.
 """
 
 from __future__ import annotations
@@ -119,20 +121,31 @@ class WeightFormat:
 
 
 def choose_weight_format(requested: str | None, declared: str | None, device: torch.device | str,
-                         dtype: torch.dtype) -> WeightFormat:
+                         dtype: torch.dtype, model_refusal: str | None = None) -> WeightFormat:
     """The weight format a model loads in: ``requested`` is the user's ``quantization`` (None or ``"fp8"``),
     ``declared`` the checkpoint's (:func:`checkpoint_quantization`), ``dtype`` the run dtype.
 
     ``"fp8"`` requested keeps FP8 on every device (the user asked; half the memory of bf16). A declared FP8
     checkpoint stays FP8 where :func:`fp8_weights_stay` says so, and is dequantised at load elsewhere. Anything
-    else runs in ``dtype``.
+    else runs in ``dtype``. ``model_refusal`` (a sentence; None: the model has FP8 layers) says why the model
+    holds no FP8 weights: a declared FP8 checkpoint is then dequantised at load on every device (``fp8_gemm``
+    still says whether the device has an FP8 GEMM, so the audit can name the refused path).
 
     Raises:
-        ValueError: ``requested`` not None and not in :data:`QUANTIZATION_METHODS`.
+        ValueError: ``requested`` not None and not in :data:`QUANTIZATION_METHODS`, or ``"fp8"`` requested
+            from a model with a ``model_refusal``.
     """
     if requested is not None and requested not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be None or one of {QUANTIZATION_METHODS}; got {requested!r}")
     stay, why = fp8_weights_stay(device, dtype)
+    if model_refusal is not None:
+        if requested == "fp8":
+            raise ValueError(f"quantization='fp8': {model_refusal}; leave quantization unset (an FP8 checkpoint is "
+                             f"then dequantised once at load to {_dtype_name(dtype)})")
+        if declared == "fp8":
+            reason = f"{model_refusal}, so FP8 weights are dequantised once at load to {_dtype_name(dtype)}"
+            return WeightFormat(False, True, stay, f"dequantised from fp8 at load to {_dtype_name(dtype)}",
+                                reason if stay else f"{why} (and {model_refusal})")
     if requested == "fp8":
         if stay:
             return WeightFormat(True, False, True, "fp8 (block-scaled, FP8 GEMM)",
@@ -154,12 +167,14 @@ def choose_weight_format(requested: str | None, declared: str | None, device: to
 def record_weight_format(fmt: WeightFormat) -> None:
     """Put ``fmt`` in the kernels audit (op :data:`AUDIT_OP`, site :data:`AUDIT_SITE`): path ``"fp8"`` or
     ``"dense"`` (dequantised at load), with ``dense`` refused, and why, when FP8 was kept on a device without an
-    FP8 GEMM. Records nothing for a checkpoint that is not FP8 loaded without an FP8 request."""
+    FP8 GEMM, and ``fp8`` refused, and why, when a device with an FP8 GEMM got dequantised weights (a model
+    without FP8 layers). Records nothing for a checkpoint that is not FP8 loaded without an FP8 request."""
     from metainfer_gen.kernels.audit_log import Refusal, record
 
     if not (fmt.fp8 or fmt.dequantise):
         return
-    refusals = (Refusal("dense", fmt.reason),) if fmt.fp8 and not fmt.fp8_gemm else ()
+    refusals = ((Refusal("dense", fmt.reason),) if fmt.fp8 and not fmt.fp8_gemm else
+                (Refusal("fp8", fmt.reason),) if fmt.dequantise and fmt.fp8_gemm else ())
     record(AUDIT_OP, AUDIT_SITE, "fp8" if fmt.fp8 else "dense", refusals)
 
 

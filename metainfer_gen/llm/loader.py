@@ -173,7 +173,7 @@ def load_model(path: Path, config, *, dtype: torch.dtype, device: torch.device, 
     experts stay per expert, each through the fp8 block GEMM).
 
     A DeepSeek-V4 config goes to :func:`~metainfer_gen.llm.models.deepseek_v4_loader.load_v4_model` (its own names
-    and layout, this rank's shards under ``tp``; dense weights).
+    and layout, this rank's shards under ``tp``; an FP8 checkpoint dequantised at load on every device).
 
     Returns:
         The model in eval mode, with ``weight_format`` (a :class:`~metainfer_gen.llm.fp8.WeightFormat`:
@@ -191,7 +191,8 @@ def load_model(path: Path, config, *, dtype: torch.dtype, device: torch.device, 
     if config.model_type == "deepseek_v4":  # its own layout and names (llm/models/deepseek_v4_loader.py)
         from metainfer_gen.llm.models.deepseek_v4_loader import load_v4_model
 
-        return load_v4_model(path, config, dtype=dtype, device=device, max_positions=max_positions, tp=tp)
+        return load_v4_model(path, config, dtype=dtype, device=device, max_positions=max_positions, tp=tp,
+                             quantization=quantization)
     from metainfer_gen.llm.checkpoint import SafetensorsCheckpoint
     from metainfer_gen.llm.fp8 import checkpoint_quantization, choose_weight_format, record_weight_format
     from metainfer_gen.llm.models.deepseek_v3 import DeepseekV3ForCausalLM, RotaryTables

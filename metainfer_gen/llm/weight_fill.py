@@ -33,7 +33,7 @@ from metainfer_gen.llm.checkpoint import SafetensorsCheckpoint
 from metainfer_gen.llm.checkpoint_checks import SCALE as _SCALE, check_stored
 from metainfer_gen.llm.parallel import Shard
 
-__all__ = ["DEQUANT_BYTES", "KEEP_FP32", "fill_parameter", "materialize"]
+__all__ = ["DEQUANT_BYTES", "KEEP_FP32", "dequantise_into", "fill_parameter", "materialize"]
 
 # float32 bytes of one group of 128-row tiles dequantised at a time (fp8 weight into a dense layer).
 DEQUANT_BYTES = 16 << 20
@@ -106,12 +106,18 @@ def _copy(target: torch.Tensor, data: torch.Tensor, shard: Shard | None) -> None
     target.copy_(data)
 
 
-def _dequantise_into(target: torch.Tensor, ckpt: SafetensorsCheckpoint, name: str, scale_name: str,
-                     shard: Shard | None) -> None:
+def dequantise_into(target: torch.Tensor, ckpt: SafetensorsCheckpoint, name: str, scale_name: str,
+                    shard: Shard | None) -> None:
     """Fill ``target`` (this rank's ``shard`` of fp8 ``name``, None: all of it) with its dequantised values, a
     group of whole 128-row tiles at a time (about :data:`DEQUANT_BYTES` of float32; Triton on a GPU): each group
-    reads the 128-aligned rows and columns covering the slice and the scale blocks over them, so the transient is
-    one group, never the tensor in float32."""
+    reads the 128-aligned rows and columns covering the slice and the scale blocks over them (``scale_name``:
+    float32/bf16/fp16 or ue8m0), so the transient is one group, never the tensor in float32. Used by both
+    loaders (DeepSeek-V3 family and DeepSeek-V4).
+
+    Args:
+        target: the whole parameter when ``shard`` is given (its padded tail is zeroed), else the (N, K) tensor
+            or view to fill.
+    """
     from metainfer_gen.kernels import fp8_weight_dequant
     from metainfer_gen.kernels.fp8_quant import FP8_BLOCK
 
@@ -191,6 +197,6 @@ def fill_parameter(module: nn.Module, attr: str, ckpt: SafetensorsCheckpoint, na
         getattr(module, _SCALE).copy_(ckpt.read(scale_name, block_scale_shard(shard, name).index
                                                 if shard is not None else ()))
     elif stored_fp8:
-        _dequantise_into(target, ckpt, name, scale_name, shard)
+        dequantise_into(target, ckpt, name, scale_name, shard)
     else:
         _copy(target, ckpt.read(name, read_index), shard)

@@ -96,6 +96,22 @@ def test_choose_weight_format():
         choose_weight_format("int4", None, cpu, torch.bfloat16)
 
 
+def test_a_model_without_fp8_layers_dequantises_even_on_an_fp8_gpu(triton_compiles):
+    """DeepSeek-V4's case: the device has an FP8 GEMM but the model no FP8 layers; the audit names the refused path."""
+    from metainfer_gen.llm.fp8 import record_weight_format
+
+    with override_capabilities(_gpu((9, 0), True)):
+        fmt = choose_weight_format(None, "fp8", "cuda", torch.bfloat16, model_refusal="no FP8 layers")
+    assert fmt.dequantise and not fmt.fp8 and fmt.fp8_gemm and str(fmt) == "dequantised from fp8 at load to bfloat16"
+    assert fmt.reason == "no FP8 layers, so FP8 weights are dequantised once at load to bfloat16"
+    with kernels.audit() as report:
+        record_weight_format(fmt)
+    (entry,) = [e for e in report.entries if e.op == AUDIT_OP]
+    assert entry.path == "dense" and entry.refusals[0].implementation == "fp8"
+    with pytest.raises(ValueError, match="quantization='fp8': no FP8 layers; leave quantization unset"):
+        choose_weight_format("fp8", None, "cpu", torch.bfloat16, model_refusal="no FP8 layers")
+
+
 def test_fp8_checkpoint_on_cpu_loads_dense_in_the_run_dtype(checkpoints):
     fp8, dense = checkpoints
     with kernels.audit() as report:

@@ -10,11 +10,21 @@ filled from :class:`~metainfer_gen.llm.checkpoint.SafetensorsCheckpoint` reads (
 Weights beyond ``num_hidden_layers`` (multi-token prediction) are skipped. Under tensor parallelism each rank
 reads only its part of a split tensor (the parameter's ``tp_shard``: its rows or columns, safetensors
 ``get_slice``) and only its own experts' tensors, so no rank reads a split tensor whole.
+
+FP8 block checkpoints (``quantization_config`` ``quant_method: "fp8"``, 128x128 blocks; DeepSeek's V4 releases)
+load dequantised to the run dtype on every device (V4's layers hold no FP8 weights): each fp8 weight with its
+scale (``.scale`` or ``.weight_scale_inv``, float32 or ue8m0) goes through the V3 loader's
+:func:`~metainfer_gen.llm.weight_fill.dequantise_into`, this rank's slice a group of 128-row tiles at a time, so
+a split that cuts a scale block is fine; FP4 (MXFP4) routed experts, as DeepSeek-V4-Flash ships them, are
+dequantised expert by expert. What cannot be read (a missing or misshapen scale, another block size or method) is
+refused from config.json and the headers before anything is allocated
+(:mod:`~metainfer_gen.llm.models.deepseek_v4_fp8`).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -90,35 +100,61 @@ def _full_shape(dest: torch.Tensor, param: torch.Tensor, index: tuple) -> tuple[
     return tuple(shape)
 
 
-def load_v4_model(path: Path, config, *, dtype: torch.dtype, device: torch.device, max_positions: int, tp=None):
+def _read_names(ckpt, config) -> list[str]:
+    """The tensors this load reads: not multi-token-prediction layers, not block scales (read with weights)."""
+    from metainfer_gen.llm.models.deepseek_v4_fp8 import is_block_scale
+
+    names = []
+    for name in ckpt.names():
+        match = _LAYER.match(name if not name.startswith("layers.") else "model." + name)
+        if not ((match and int(match.group(1)) >= config.num_hidden_layers) or name.startswith("mtp.")
+                or is_block_scale(ckpt, name)):
+            names.append(name)
+    return names
+
+
+def load_v4_model(path: Path, config, *, dtype: torch.dtype, device: torch.device, max_positions: int, tp=None,
+                  quantization: str | None = None):
     """The engine's :class:`~metainfer_gen.llm.models.deepseek_v4_engine.DeepseekV4ForCausalLM` with the
-    checkpoint's weights, floating-point tensors in ``dtype`` (integer buffers such as ``tid2eid`` as stored);
-    ``tp`` (a :class:`~metainfer_gen.llm.parallel.TensorParallel`, None: one process) picks this rank's shards.
+    checkpoint's weights, floating-point tensors in ``dtype`` (integer buffers such as ``tid2eid`` as stored; FP8
+    block weights dequantised); ``tp`` (a :class:`~metainfer_gen.llm.parallel.TensorParallel`, None: one process)
+    picks this rank's shards. ``model.weight_format`` says how the weights are held, and the audit (site
+    ``llm.load.fp8``) records it for an FP8 checkpoint.
 
     Raises:
+        ValueError: ``quantization="fp8"`` (V4 has no FP8 layers), a checkpoint quantisation other than 128x128
+            FP8 blocks (and FP4 experts), an fp8 or FP4 weight without its scale or with a scale of the wrong shape
+            or dtype, a weight in an integer dtype (from config.json and the headers, before anything is
+            allocated).
         RuntimeError: model parameters the checkpoint lacks (or fills only in part), tensors the model has no
             place for, or a tensor of the wrong shape (names listed).
     """
     from metainfer_gen.llm.checkpoint import SafetensorsCheckpoint
-    from metainfer_gen.llm.fp8 import WeightFormat
+    from metainfer_gen.llm.fp8 import checkpoint_quantization, choose_weight_format, record_weight_format
     from metainfer_gen.llm.models.deepseek_v4_engine import DeepseekV4ForCausalLM
+    from metainfer_gen.llm.models.deepseek_v4_fp8 import (FP8_REFUSAL, block_scale_of, check_v4_checkpoint,
+                                                          check_v4_quantization, dequantise_fp4_into, is_fp4,
+                                                          unpacked_shape)
+    from metainfer_gen.llm.weight_fill import dequantise_into
 
+    fmt = choose_weight_format(quantization, checkpoint_quantization(config), device, dtype, FP8_REFUSAL)
+    check_v4_quantization(config)
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(config, max_positions, tp)
     shards = {name: p.tp_shard for name, p in model.named_parameters() if hasattr(p, "tp_shard")}
-    model.to(dtype).to_empty(device=device)  # new parameters: their tp_shard is carried over below
-    for name, param in model.named_parameters():
-        if name in shards:
-            param.tp_shard = shards[name]
-    targets = dict(model.named_parameters())
-    targets.update(model.named_buffers())
     filled: dict[str, int] = {}
     unexpected, wrong = [], []
     with SafetensorsCheckpoint(path) as ckpt:
-        for name in ckpt.names():
-            match = _LAYER.match(name if not name.startswith("layers.") else "model." + name)
-            if (match and int(match.group(1)) >= config.num_hidden_layers) or name.startswith("mtp."):
-                continue
+        names = _read_names(ckpt, config)
+        if check_v4_checkpoint(ckpt, names):  # headers only: refused before anything is allocated or read
+            fmt = replace(fmt, name=fmt.name.replace("from fp8", "from fp8 (routed experts fp4)"))
+        model.to(dtype).to_empty(device=device)  # new parameters: their tp_shard is carried over below
+        for name, param in model.named_parameters():
+            if name in shards:
+                param.tp_shard = shards[name]
+        targets = dict(model.named_parameters())
+        targets.update(model.named_buffers())
+        for name in names:
             target, index = engine_name(name, config.intermediate_size)
             if target not in targets:
                 unexpected.append(name)
@@ -129,10 +165,18 @@ def load_v4_model(path: Path, config, *, dtype: torch.dtype, device: torch.devic
                     continue
                 dest, read_index, count = place
                 full = _full_shape(dest, targets[target], index)
-                if full != ckpt.shape(name):
-                    wrong.append(f"{name} {ckpt.shape(name)} -> {target} {full}")
+                if full != unpacked_shape(ckpt, name):
+                    wrong.append(f"{name} {unpacked_shape(ckpt, name)} -> {target} {full}")
                     continue
-                dest.copy_(ckpt.read(name, read_index))
+                scale = block_scale_of(ckpt, name)
+                if scale is None:
+                    dest.copy_(ckpt.read(name, read_index))
+                elif is_fp4(ckpt, name):  # a routed expert: whole on its rank
+                    dequantise_fp4_into(dest, ckpt, name, scale)
+                elif read_index:  # a split tensor: the whole parameter and its shard (padded tail zeroed)
+                    dequantise_into(targets[target], ckpt, name, scale, targets[target].tp_shard)
+                else:
+                    dequantise_into(dest, ckpt, name, scale, None)
             filled[target] = filled.get(target, 0) + count
     if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in filled:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -142,7 +186,6 @@ def load_v4_model(path: Path, config, *, dtype: torch.dtype, device: torch.devic
         raise RuntimeError(f"checkpoint does not match the DeepSeek-V4 model: missing or partly filled {missing[:10]}, "
                            f"unexpected {unexpected[:10]}, wrong shapes {wrong[:10]}")
     model.build_rotary(device)
-    model.weight_format = WeightFormat(fp8=False, dequantise=False, fp8_gemm=False,
-                                       name=str(dtype).removeprefix("torch."),
-                                       reason="deepseek_v4 loads dense weights only (FP8 is refused for it)")
+    model.weight_format = fmt
+    record_weight_format(fmt)
     return model.eval()

@@ -46,7 +46,7 @@ class ModelFamily:
 _V4_ATTENTION = ("sliding-window K=V rows + compressed entries (CSA: the indexer's top-k of the 4x entries, HCA: "
                  "all 128x entries) over the paged pool, per sequence; compressor buffers in a per-sequence table")
 # What the engine does not do for V4 yet; settings that need it are refused (check_engine_settings).
-_V4_NOT_YET = {"fp8": "its layers have no FP8 weights or FP8 KV cache yet"}
+_V4_NOT_YET = {"fp8": "its layers have no FP8 weights or FP8 KV cache yet; an FP8 checkpoint loads, dequantised"}
 
 FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     ModelFamily("deepseek_v3", "MLA over the paged latent cache (absorbed decode, cheaper-form prefill)"),
@@ -81,11 +81,13 @@ def check_engine_settings(config, *, tensor_parallel_size: int = 1, quantization
     """Refuse engine settings a loaded ``config``'s family cannot use yet (before any process group or weight).
 
     Raises:
-        ValueError: tensor parallelism, FP8 weights (asked, or declared by the checkpoint's
-            ``quantization_config``) or an FP8 KV cache for a family whose ``not_yet`` names them; a DeepSeek-V4
-            ``tensor_parallel_size`` that does not divide its heads, output groups or shared-expert columns
-            (:func:`~metainfer_gen.llm.models.v4_tensor_parallel.check_v4_tensor_parallel`). The message says why
-            and what to set instead.
+        ValueError: tensor parallelism, ``quantization="fp8"`` or an FP8 KV cache for a family whose ``not_yet``
+            names them (an FP8 checkpoint is not refused here: the loader dequantises it where the model holds no
+            FP8 weights); a DeepSeek-V4 ``tensor_parallel_size`` that does not divide its heads, output groups or
+            shared-expert columns (:func:`~metainfer_gen.llm.models.v4_tensor_parallel.check_v4_tensor_parallel`)
+            or an ``expert_dtype`` it cannot read
+            (:func:`~metainfer_gen.llm.models.deepseek_v4_fp8.check_v4_quantization`). The message
+            says why and what to set instead.
     """
     family = FAMILIES[config.model_type]
     name = config.model_type
@@ -93,17 +95,17 @@ def check_engine_settings(config, *, tensor_parallel_size: int = 1, quantization
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: not yet for {name} "
                          f"({family.not_yet['tensor_parallel']}); use tensor_parallel_size=1")
     if name == "deepseek_v4":
+        from metainfer_gen.llm.models.deepseek_v4_fp8 import check_v4_quantization
         from metainfer_gen.llm.models.v4_tensor_parallel import check_v4_tensor_parallel
 
         check_v4_tensor_parallel(config, tensor_parallel_size)
+        check_v4_quantization(config)
     if "fp8" in family.not_yet:
-        declared = getattr(config, "quantization_config", None)
-        asked = {"quantization='fp8'": quantization == "fp8", "kv_cache_dtype='fp8'": kv_cache_dtype == "fp8",
-                 f"a checkpoint quantised as {declared!r}": bool(declared)}
+        asked = {"quantization='fp8'": quantization == "fp8", "kv_cache_dtype='fp8'": kv_cache_dtype == "fp8"}
         for what, used in asked.items():
             if used:
-                raise ValueError(f"{what}: not yet for {name} ({family.not_yet['fp8']}); use a bf16/fp32 "
-                                 f"checkpoint with quantization=None and kv_cache_dtype='auto'")
+                raise ValueError(f"{what}: not yet for {name} ({family.not_yet['fp8']}); use quantization=None "
+                                 f"and kv_cache_dtype='auto'")
 
 
 def attention_path(config) -> str:
