@@ -91,6 +91,9 @@ def _add_doctor_parser(subparsers) -> None:
                                                    "available)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="dtype of the example inputs (default bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--model", default=None,
+                   help="a checkpoint directory or config .json: also print the attention path the LLM engine "
+                        "runs for it and what it refuses, with why (reads the config only; default: none)")
 
     def cmd_doctor(args: argparse.Namespace) -> int:
         from metainfer_gen.apps.doctor import cmd_doctor as run

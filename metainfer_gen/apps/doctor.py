@@ -6,6 +6,10 @@ when present, else CPU -- and asks the registry which implementation it would pi
 GPU machine (on a CPU-only machine every Triton path is refused, so strict mode fails there by design). An
 implementation built for another device (a oneDNN or C++ CPU kernel on a GPU) is not a path the inputs could take
 and is not counted.
+
+The LLM section names every model family's attention path and the engine features it refuses or cannot use yet,
+with why (:mod:`metainfer_gen.llm.models.families`); ``--model DIR`` does the same for one checkpoint's config
+(no weights read).
 """
 
 from __future__ import annotations
@@ -40,15 +44,17 @@ def _version(name: str) -> str | None:
         return None
 
 
-def collect(device: str | None = None, dtype: str | None = None) -> dict:
+def collect(device: str | None = None, dtype: str | None = None, model: str | None = None) -> dict:
     """Capabilities, versions and per-op selections as a JSON-ready dict.
 
     Args:
         device: where the example inputs live ("cpu", "cuda"); default CUDA when present, else CPU.
         dtype: "float32", "bfloat16" or "float16" of the example inputs; default bfloat16 on a GPU, float32 on a
             CPU (the LLM engine's own dtype is reported beside: ``report["llm"]``).
+        model: a checkpoint directory or config .json whose attention path and refusals ``report["llm"]
+            ["checkpoint"]`` gives (:func:`checkpoint_report`); None: none.
     Raises:
-        ValueError: unknown dtype.
+        ValueError: unknown dtype; a config the engine does not run. FileNotFoundError: no config at ``model``.
     """
     import torch
 
@@ -60,6 +66,7 @@ def collect(device: str | None = None, dtype: str | None = None) -> dict:
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16; got {dtype!r}")
+    checkpoint = None if model is None else checkpoint_report(model)  # a bad path fails before any probing
     triton = platform.triton_status()
     llm_dtype = platform.native_dtype(device)
     from metainfer_gen.llm.fp8 import fp8_weights_stay
@@ -102,8 +109,9 @@ def collect(device: str | None = None, dtype: str | None = None) -> dict:
         "llm": {"default_dtype": str(llm_dtype).removeprefix("torch."), "matmul": matmul,
                 "decode_step": _decode_step(device, caps),
                 "fp8_checkpoints": {"stay_fp8": fp8_stay, "reason": fp8_reason},
-                "models": [{"model_type": f.model_type, "attention": f.attention, "missing": f.missing}
-                           for f in FAMILIES.values()]},
+                "models": [{"model_type": f.model_type, "attention": f.attention, "missing": f.missing,
+                            "refuses": dict(f.refuses), "not_yet": dict(f.not_yet)} for f in FAMILIES.values()],
+                "checkpoint": checkpoint},
         "triton": {"mode": triton.mode.value, "version": triton.version, "reason": triton.reason},
         "versions": {"python": py_platform.python_version(), "metainfer-gen": __version__,
                      **{p: _version(p) for p in _PACKAGES}, "torch cuda": caps.torch_cuda or "none",
@@ -159,8 +167,13 @@ def render(report: dict, out: TextIO) -> None:
     for fam in llm["models"]:
         if fam["missing"] is None:
             w(f"  model {fam['model_type']:<13} attention: {fam['attention']}\n")
+            _render_limits(w, fam, " " * 22)
         else:
             w(f"  model {fam['model_type']:<13} not supported yet: lacks {fam['missing']}\n")
+    if llm["checkpoint"] is not None:
+        ckpt = llm["checkpoint"]
+        w(f"\nllm checkpoint     {ckpt['path']}\n  attention        {ckpt['attention']}\n")
+        _render_limits(w, ckpt, "  ")
     w(f"\ntriton             {t['mode']}" + (f" ({t['reason']})" if t["reason"] else "") + "\n")
     w("\nversions\n")
     for name, version in v.items():
@@ -177,10 +190,49 @@ def render(report: dict, out: TextIO) -> None:
       + (f"; falling back: {', '.join(slow)}" if slow else "") + "\n")
 
 
+# How the family table's feature names read on the page.
+_FEATURES = {"prefix_caching": "prefix caching", "compiled_decode": "compiled decode steps (they run eager)",
+             "fp8": "FP8 weights and KV cache", "tensor_parallel": "tensor parallelism"}
+
+
+def _render_limits(w, entry: dict, indent: str) -> None:
+    """The features a family (or checkpoint) refuses and those it cannot use yet, one line each, with why."""
+    for kind, key in (("refuses", "refuses"), ("not yet", "not_yet")):
+        for feature, why in entry[key].items():
+            w(f"{indent}{kind} {_FEATURES.get(feature, feature)}: {why}\n")
+
+
+def checkpoint_report(model: str) -> dict:
+    """The attention path the engine would run for the checkpoint (or config .json) at ``model``, as the audit
+    names it (shared-top-k layers counted), and what its family refuses or cannot use yet; reads the config only.
+
+    Raises:
+        FileNotFoundError: no config there. ValueError: not JSON, or a model type the engine does not run.
+    """
+    from types import SimpleNamespace
+
+    from metainfer_gen.llm.models.families import attention_path, family_of
+    from metainfer_gen.llm.plan_model import read_config
+
+    config = read_config(model)
+    family = family_of(config.get("model_type"))
+    fields = {"indexer_types": None, "num_hidden_layers": 0} | config
+    return {"path": str(model), "model_type": family.model_type,
+            "attention": attention_path(SimpleNamespace(**fields)), "refuses": dict(family.refuses),
+            "not_yet": dict(family.not_yet)}
+
+
 def cmd_doctor(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Entry point of ``metainfer-gen doctor``; returns 1 under ``--strict`` when any fast path is refused."""
+    """Entry point of ``metainfer-gen doctor``; returns 1 under ``--strict`` when any fast path is refused, 2
+    when ``--model`` names no config the engine runs."""
     out = sys.stdout if out is None else out
-    report = collect(device=args.device, dtype=args.dtype)
+    try:
+        report = collect(device=args.device, dtype=args.dtype, model=getattr(args, "model", None))
+    except (FileNotFoundError, ValueError) as exc:
+        if getattr(args, "model", None) is None:
+            raise
+        print(f"error: --model: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         out.write(json.dumps(report, indent=2) + "\n")
     else:
@@ -196,4 +248,4 @@ def _decode_step(device: str, caps) -> dict:
     if caps.cxx_compiler is None:
         return {"path": "eager", "reason": "torch.compile on the CPU needs a C++ compiler (install g++)"}
     return {"path": "compiled, one graph per batch size (--enforce-eager: eager)",
-            "reason": "DSA sparse attention (DeepSeek-V3.2, GLM-5) and tensor parallelism run eager"}
+            "reason": "DSA sparse attention (DeepSeek-V3.2, GLM-5), DeepSeek-V4 and tensor parallelism run eager"}

@@ -3,7 +3,8 @@
 A model class may say why it cannot use a feature yet with a class attribute (a sentence, or absent / None):
 ``prefix_caching_refusal`` (the block manager then registers no prefixes) and ``static_decode_refusal`` (decode
 steps then run eager: no static buffers, CUDA graphs or compiled graph; ``compiled_decode`` audits the same reason).
-DeepSeek-V4 sets both (:mod:`metainfer_gen.llm.models.deepseek_v4_engine`). Plain Python, no device work.
+DeepSeek-V4 sets both from its family's ``refuses`` (:mod:`metainfer_gen.llm.models.families`, which ``doctor``
+prints too). Plain Python, no device work.
 """
 
 from __future__ import annotations

@@ -44,12 +44,16 @@ class WarmupReport:
         decode_batches: sequences in each decode step run.
         num_graphs_compiled: graphs torch.compile built during the warm-up (dynamo's ``unique_graphs``).
         seconds: wall time of the warm-up.
+        decode_refusal: why the decode steps run eager where the engine would compile them (the model's or the
+            platform's reason: DeepSeek-V4's per-sequence attention, DSA, no C++ compiler, ...), so the server says
+            it once; None when they compile, run CUDA graphs instead, or compiling was only turned off.
     """
 
     prefill_tokens: tuple[int, ...]
     decode_batches: tuple[int, ...]
     num_graphs_compiled: int
     seconds: float
+    decode_refusal: str | None = None
 
 
 def prefill_split(num_tokens: int, max_prompt_len: int, block_size: int = 1) -> list[int]:
@@ -94,7 +98,16 @@ def _warm_up(engine) -> WarmupReport:
     for num_seqs in decodes:
         _run(engine, [(block_size, 1)] * num_seqs, scratch)
     return WarmupReport(tuple(prefills), tuple(decodes), counters["stats"]["unique_graphs"] - graphs,
-                        time.perf_counter() - start)
+                        time.perf_counter() - start, _decode_refusal(engine))
+
+
+def _decode_refusal(engine) -> str | None:
+    """See :attr:`WarmupReport.decode_refusal` (the reason the engine audited at construction, op ``decode_step``)."""
+    if engine.decode_path != "eager":
+        return None
+    from metainfer_gen.llm.compiled_decode import compiled_decode_refusal
+
+    return compiled_decode_refusal(engine.model, engine.device, engine.config.tensor_parallel_size)
 
 
 def _warm_gemms(model, max_rows: int) -> int:

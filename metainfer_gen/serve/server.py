@@ -187,9 +187,10 @@ class LLMServer:
         server._thread.start()
         report = None if server.front is None else getattr(server.front.engine, "warmup_report", None)
         if report is not None:
+            eager = f"; decode steps run eager: {report.decode_refusal}" if report.decode_refusal else ""
             print(f"warmed up in {report.seconds:.0f} s: {len(report.prefill_tokens)} prefill and "
-                  f"{len(report.decode_batches)} decode step shapes, {report.num_graphs_compiled} graphs compiled",
-                  flush=True)
+                  f"{len(report.decode_batches)} decode step shapes, {report.num_graphs_compiled} graphs compiled"
+                  f"{eager}", flush=True)
         print(f"serving {server.model_name!r} on {server.base_url} (OpenAI API; /health, /metrics)", flush=True)
         try:
             def done() -> bool:

@@ -60,7 +60,7 @@ def test_strict_exits_zero_when_every_op_runs_its_fastest_path(monkeypatch):
     report = doctor.collect()
     for op in report["ops"]:
         op["refusals"], op["path"] = [], op["fastest"]
-    monkeypatch.setattr(doctor, "collect", lambda device=None, dtype=None: report)
+    monkeypatch.setattr(doctor, "collect", lambda device=None, dtype=None, model=None: report)
     out = io.StringIO()
     args = argparse.Namespace(strict=True, json=False, device=None, dtype=None)
     assert doctor.cmd_doctor(args, out=out) == 0
@@ -85,6 +85,37 @@ def test_render_reports_missing_peer_access_on_a_multi_gpu_machine():
     doctor.render(report, out)
     assert "peer access      missing for [[0, 2], [2, 0]]" in out.getvalue()
     assert "gpu 2            GPU (compute capability 8.9)" in out.getvalue()
+
+
+def test_each_family_names_its_attention_path_and_what_it_refuses(tmp_path, capsys):
+    """Every family's attention path; DeepSeek-V4's refused features with the reasons the engine audits; with
+    ``--model`` the same for one checkpoint's config (GLM-5's shared-top-k layers counted), read without weights."""
+    import re
+
+    from metainfer_gen.llm.models.families import FAMILIES
+
+    v4 = FAMILIES["deepseek_v4"].refuses
+    glm = {"model_type": "glm_moe_dsa", "num_hidden_layers": 4, "indexer_types": ["full", "shared", "shared", "full"]}
+    (tmp_path / "glm").mkdir()
+    (tmp_path / "glm" / "config.json").write_text(json.dumps(glm))
+    (tmp_path / "v4.json").write_text(json.dumps({"model_type": "deepseek_v4", "num_hidden_layers": 3}))
+    assert main(["doctor", "--model", str(tmp_path / "glm")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"model deepseek_v4   attention: sliding-window K=V rows \+ compressed entries \(CSA: the "
+                     r"indexer's top-k .*\n {22}refuses prefix caching: " + re.escape(v4["prefix_caching"]) + r"\n"
+                     r" {22}refuses compiled decode steps \(they run eager\): " + re.escape(v4["compiled_decode"]),
+                     out)
+    assert re.search(r"model glm_moe_dsa   attention: MLA \+ DSA: indexer \(interleaved rope\).*\n  model", out)
+    assert (f"llm checkpoint     {tmp_path / 'glm'}\n  attention        glm_moe_dsa: MLA + DSA: indexer (interleaved "
+            f"rope)") in out and "(2 of 4 layers share top-k)\n" in out
+    assert main(["doctor", "--json", "--model", str(tmp_path / "v4.json")]) == 0
+    ckpt = json.loads(capsys.readouterr().out)["llm"]["checkpoint"]
+    assert ckpt["attention"] == "deepseek_v4: " + FAMILIES["deepseek_v4"].attention and ckpt["refuses"] == v4
+    assert main(["doctor", "--model", str(tmp_path / "missing")]) == 2
+    assert "no config at" in capsys.readouterr().err
+    (tmp_path / "llama.json").write_text(json.dumps({"model_type": "llama"}))
+    assert main(["doctor", "--model", str(tmp_path / "llama.json")]) == 2
+    assert "model_type 'llama' is not supported by the engine" in capsys.readouterr().err
 
 
 def test_unknown_dtype_is_an_error():

@@ -47,13 +47,14 @@ def random_prompts(num: int, vocab: int, lengths: tuple[int, ...], seed: int = 1
     return [torch.randint(0, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(num)]
 
 
-def save_text_checkpoint(path):
-    """A tiny random checkpoint with a real (BPE) tokenizer, for the pipeline and the CLI; returns (model, tok)."""
+def save_text_checkpoint(path, make_model=None):
+    """A tiny random checkpoint with a real (BPE) tokenizer, for the pipeline, the CLI and the server; returns
+    (model, tok). ``make_model(vocab_size)`` builds the transformers model (default: the "moe" DeepSeek-V3)."""
     from demo_models.llm.tokenizer import train_tokenizer
 
     texts = ["the quick brown fox jumps over the lazy dog", "the pass key is 12345. remember it."] * 20
     tokenizer = train_tokenizer(texts, vocab_size=300)
-    model = make_hf_model("moe", vocab_size=len(tokenizer))
+    model = (make_model or (lambda vocab: make_hf_model("moe", vocab_size=vocab)))(len(tokenizer))
     model.config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -139,6 +139,29 @@ def test_warmup_and_abort_leave_no_state(v4):
     assert [o.token_ids for o in engine.generate(prompts[:2], GREEDY)] == expected[:2]
 
 
+def test_compiled_decode_refused_once_and_warmup_compiles_nothing(v4, monkeypatch):
+    """Where a CPU engine would compile its decode steps (``METAINFER_ENFORCE_EAGER`` unset, as a user runs it), V4
+    refuses them: one audit entry with the family's reason, no static buffers, a warm-up that compiles no graph
+    and reports the reason (the server prints it once); every forward names V4's attention path."""
+    from metainfer_gen.kernels.audit_log import audit
+    from metainfer_gen.llm.compiled_decode import ENFORCE_EAGER_ENV
+    from metainfer_gen.llm.models.families import FAMILIES
+
+    path, block_size, prompts, expected = v4
+    monkeypatch.delenv(ENFORCE_EAGER_ENV, raising=False)
+    why = FAMILIES["deepseek_v4"].refuses["compiled_decode"]
+    with audit() as seen:
+        engine = _engine(path, block_size, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64)
+        report = engine.warmup()
+        assert [o.token_ids for o in engine.generate(prompts[:2], GREEDY)] == expected[:2]
+    assert engine.decode_path == "eager" and engine.runner.static is None
+    decode = [e for e in seen.entries if e.op == "decode_step"]
+    assert [(e.path, e.num_calls, [r.reason for r in e.refusals]) for e in decode] == [("eager", 1, [why])]
+    assert report.num_graphs_compiled == 0 and report.decode_refusal == why
+    assert [e.path for e in seen.entries if e.op == "llm_attention"] == [engine.model.attention_path]
+    assert engine.model.attention_path.startswith("deepseek_v4: sliding-window K=V rows + compressed entries")
+
+
 def test_pool_bytes_equal_the_config_formula(tmp_path):
     """The bytes the runner allocates per block, what the sizing counts and the formula from config.json agree; for
     this config (sliding, CSA, HCA; head_dim 32, index_head_dim 16; rates 4, 8) at block size 16 that is 16 K=V

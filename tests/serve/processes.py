@@ -1,4 +1,5 @@
-"""Stopping a server subprocess a test started: SIGTERM, a bounded wait, then SIGKILL."""
+"""Server subprocesses a test starts: ``metainfer-gen serve`` read until it prints its URL, and stopping one
+(SIGTERM, a bounded wait, then SIGKILL)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,49 @@ def wait_healthy(url: str, proc: subprocess.Popen, log, timeout_s: float = 120.0
             pass
         time.sleep(0.2)
     raise AssertionError(f"{url} did not become healthy in {timeout_s} s: {Path(log).read_text()[-3000:]}")
+
+
+def start_serve(args: list[str], env: dict | None = None, timeout_s: float = 60.0
+                ) -> tuple[subprocess.Popen, str, list[str]]:
+    """Start ``metainfer-gen serve ARGS`` from this checkout (one torch thread; ``env`` default this process's
+    environment) and wait until it prints the URL it serves on. A thread goes on reading its output into the returned
+    list, so the pipe never fills.
+
+    Returns:
+        (the process, its base URL ending in /v1, the lines it printed, growing while it runs).
+    Raises:
+        AssertionError: it exited or printed no URL within ``timeout_s`` seconds (it is stopped first; the message
+            carries the end of its output).
+    """
+    import os
+    import queue
+    import re
+    import sys
+    import threading
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ if env is None else env, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    proc = subprocess.Popen([sys.executable, "-m", "metainfer_gen.apps.cli", "serve", *args], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    urls: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            found = re.search(r"on (http://\S+/v1)", line)
+            if found:
+                urls.put(found.group(1))
+        urls.put(None)  # the output ended: the process exited
+
+    threading.Thread(target=read, name="serve-output", daemon=True).start()
+    try:
+        url = urls.get(timeout=timeout_s)
+    except queue.Empty:
+        url = None
+    if url is None:
+        stop_process(proc, 15, 5)
+        raise AssertionError(f"the server printed no URL within {timeout_s} s (exit code {proc.poll()}): "
+                             f"{''.join(lines)[-3000:]}")
+    return proc, url, lines

@@ -39,7 +39,7 @@ from metainfer_gen.llm.layers.v4_attention import CSACompressor
 from metainfer_gen.llm.layers.v4_paged_attention import (LayerCaches, entry_slots_per_block, paged_v4_attention,
                                                           sequence_views)
 from metainfer_gen.llm.models.deepseek_v4 import V4CausalLM, V4RotaryTables
-from metainfer_gen.llm.models.families import AUDIT_OP, AUDIT_SITE, attention_path
+from metainfer_gen.llm.models.families import AUDIT_OP, AUDIT_SITE, FAMILIES, attention_path
 
 LayerState = tuple[CompressorState, CompressorState] | None
 
@@ -139,10 +139,8 @@ class DeepseekV4ForCausalLM(V4CausalLM):
     :class:`~metainfer_gen.llm.models.deepseek_v4.V4CausalLM`). The pool is replicated over the ranks (one K=V head
     and per-token entries, which every head reads)."""
 
-    static_decode_refusal = ("deepseek_v4: its attention gathers per sequence and its compressors keep per-sequence "
-                             "buffers, not traced into a static graph yet")
-    prefix_caching_refusal = ("deepseek_v4: compressed entries and compressor buffers span block boundaries, so a "
-                              "cached block is not reusable alone yet")
+    static_decode_refusal = FAMILIES["deepseek_v4"].refuses["compiled_decode"]
+    prefix_caching_refusal = FAMILIES["deepseek_v4"].refuses["prefix_caching"]
 
     def __init__(self, config, max_positions: int, tp=None):
         super().__init__(config, max_positions, tp)

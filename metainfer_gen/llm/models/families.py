@@ -29,6 +29,10 @@ class ModelFamily:
         missing: None when the engine runs the family; else what it lacks (loading raises with this text).
         not_yet: engine features the family cannot use yet ("tensor_parallel", "fp8"), each with why
             (:func:`check_engine_settings` refuses settings that need them).
+        refuses: engine features the family turns off instead of failing, each with why: "prefix_caching" (no
+            prefix is registered) and "compiled_decode" (decode steps run eager: no static buffers, compiled graph
+            or CUDA graphs). The model class reads its reasons from here
+            (:mod:`~metainfer_gen.llm.model_refusals`); the audit and ``doctor`` print them.
     """
 
     model_type: str
@@ -37,6 +41,7 @@ class ModelFamily:
     indexer_rope_interleaved: bool = False
     missing: str | None = None
     not_yet: dict[str, str] = field(default_factory=dict)
+    refuses: dict[str, str] = field(default_factory=dict)
 
     @property
     def supported(self) -> bool:
@@ -47,6 +52,10 @@ _V4_ATTENTION = ("sliding-window K=V rows + compressed entries (CSA: the indexer
                  "all 128x entries) over the paged pool, per sequence; compressor buffers in a per-sequence table")
 # What the engine does not do for V4 yet; settings that need it are refused (check_engine_settings).
 _V4_NOT_YET = {"fp8": "its layers have no FP8 weights or FP8 KV cache yet; an FP8 checkpoint loads, dequantised"}
+_V4_REFUSES = {"prefix_caching": "deepseek_v4: compressed entries and compressor buffers span block boundaries, so a "
+                                 "cached block is not reusable alone yet",
+               "compiled_decode": "deepseek_v4: its attention gathers per sequence and its compressors keep "
+                                  "per-sequence buffers, not traced into a static graph yet"}
 
 FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     ModelFamily("deepseek_v3", "MLA over the paged latent cache (absorbed decode, cheaper-form prefill)"),
@@ -55,7 +64,7 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     ModelFamily("glm_moe_dsa", "MLA + DSA: indexer (interleaved rope) on indexer_types 'full' layers, 'shared' "
                                "layers reuse the previous full layer's top-k; absorbed sparse MLA", sparse=True,
                 indexer_rope_interleaved=True),
-    ModelFamily("deepseek_v4", _V4_ATTENTION, not_yet=_V4_NOT_YET),
+    ModelFamily("deepseek_v4", _V4_ATTENTION, not_yet=_V4_NOT_YET, refuses=_V4_REFUSES),
 )}
 
 
