@@ -61,8 +61,9 @@ def save_text_checkpoint(path, make_model=None):
     return model, tokenizer
 
 
-FP8_LINEAR = re.compile(r"(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj|down_proj)"
-                        r"\.weight$")
+# DeepSeek's FP8 recipe: every linear, and (V3.2, GLM-5) the DSA indexer's wq_b / wk; not its weights_proj.
+FP8_LINEAR = re.compile(r"(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj|down_proj"
+                        r"|indexer\.wq_b|indexer\.wk)\.weight$")
 
 
 def save_fp8_checkpoint(model, path, max_shard_size: str | None = None) -> None:

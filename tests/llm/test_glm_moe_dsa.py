@@ -135,10 +135,12 @@ def test_tp2_streamed_sharded_load_equals_transformers(glm, tmp_path):
 
 
 def test_deepseek_format_fp8_checkpoint_loads_dequantised_to_transformers_tokens(tmp_path):
-    """GLM-5 ships FP8 (e4m3 + 128x128 ``weight_scale_inv``): a checkpoint of weights already on the FP8 grid,
-    saved in that format, loads dequantised on the CPU to exactly those weights, so its greedy tokens equal
-    transformers' on the same grid weights (a shared layer has no indexer weights to quantise)."""
+    """GLM-5 ships FP8 (e4m3 + 128x128 ``weight_scale_inv``, the indexer's wq_b / wk included, weights_proj not): a
+    checkpoint of weights already on the FP8 grid, saved in that format, loads dequantised on the CPU to exactly
+    those weights, so its greedy tokens equal transformers' on the same grid weights (a shared layer has no indexer
+    weights to quantise)."""
     from metainfer_gen.kernels.fp8_quant import dequantize_fp8_weight_reference, quantize_fp8_weight
+    from metainfer_gen.llm.checkpoint import SafetensorsCheckpoint
     from tests.llm.checkpoints import FP8_LINEAR, save_fp8_checkpoint
 
     def to_grid(weight):
@@ -157,6 +159,9 @@ def test_deepseek_format_fp8_checkpoint_loads_dequantised_to_transformers_tokens
                 for expert in param:
                     expert.copy_(to_grid(expert))
     save_fp8_checkpoint(model, tmp_path, max_shard_size="100KB")
+    with SafetensorsCheckpoint(tmp_path) as ckpt:
+        assert {ckpt.dtype(f"model.layers.0.self_attn.indexer.{n}.weight") for n in ("wq_b", "wk")} == {"F8_E4M3"}
+        assert ckpt.dtype("model.layers.0.self_attn.indexer.weights_proj.weight") == "F32"
     engine = LLMEngine.from_pretrained(tmp_path, EngineConfig(block_size=4))
     assert engine.weight_format.name.startswith("dequantised from fp8")
     prompts = random_prompts(4, model.config.vocab_size, (TOPK + 1, 3 * TOPK), seed=8)
