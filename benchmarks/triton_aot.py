@@ -1,9 +1,10 @@
 """Compile every registered Triton kernel for sm_80, sm_89, sm_90 and sm_120 without a GPU, and print one table.
 
-Each case calls the op's real Triton wrapper on ``device="meta"`` tensors of DeepSeek-V3 or Wan 2.1 1.3B shapes
-inside :func:`metainfer_gen.kernels.launch.record_launches`, so the launch configuration compiled is exactly the one
-the wrapper picks for that architecture; :func:`metainfer_gen.kernels.aot.compile_launch` then compiles it and reads
-registers and spills (``ptxas -v``), shared memory and the warps per SM those allow.
+Each case calls the op's real Triton wrapper on ``device="meta"`` tensors of DeepSeek-V3 (V3.2 and GLM-5 for the DSA
+kernels) or Wan 2.1 1.3B shapes inside :func:`metainfer_gen.kernels.launch.record_launches`, so the launch
+configuration compiled is exactly the one the wrapper picks for that architecture;
+:func:`metainfer_gen.kernels.aot.compile_launch` then compiles it and reads registers and spills (``ptxas -v``),
+shared memory and the warps per SM those allow.
 
     python benchmarks/triton_aot.py                       # all kernels, all four archs
     python benchmarks/triton_aot.py --archs 90 --ops rms_norm --out benchmarks/results/triton_aot.txt
@@ -86,6 +87,13 @@ def cases() -> list[Case]:
             lambda keys=keys: _impl("indexer_topk")(_t(1, tokens, 64, 128), _t(1, tokens, 64, dtype=FP32),
                                                     _t(1, 8192, 128, dtype=keys), _t(1, tokens, dtype=torch.int64),
                                                     2048, 128 ** -0.5))
+    # GLM-5 runs the same DSA kernels at its own head counts (32 indexer heads, 64 query heads; qk 192 + 64).
+    add("indexer_topk", "GLM-5 indexer 32 x 128, 8K keys",
+        lambda: _impl("indexer_topk")(_t(1, tokens, 32, 128), _t(1, tokens, 32, dtype=FP32), _t(1, 8192, 128),
+                                      _t(1, tokens, dtype=torch.int64), 2048, 128 ** -0.5))
+    add("sparse_mla", "GLM-5 64 heads, 512+64, top-k 2048, bfloat16",
+        lambda: _impl("sparse_mla")(_t(tokens, 64, 576), _t(32768, 576), _t(tokens, 2048, dtype=torch.int64), 512,
+                                    256 ** -0.5))
     for dtype, rows, label in ((BF16, BF16, "bfloat16"), (FP32, FP32, "float32"), (BF16, FP8, "fp8 cache")):
         add("sparse_mla", f"V3 128 heads, 512+64, top-k 2048, {label}",
             lambda dtype=dtype, rows=rows: _impl("sparse_mla")(_t(tokens, 128, 576, dtype=dtype),
