@@ -72,6 +72,8 @@ def collect(device: str | None = None, dtype: str | None = None, model: str | No
     from metainfer_gen.llm.fp8 import fp8_weights_stay
 
     fp8_stay, fp8_reason = fp8_weights_stay(device, llm_dtype)
+    if checkpoint is not None:
+        checkpoint["weights"] = _checkpoint_weights(checkpoint, device, llm_dtype)
     from metainfer_gen.kernels.gemm import matmul_path
     from metainfer_gen.llm.models.families import FAMILIES
 
@@ -173,6 +175,7 @@ def render(report: dict, out: TextIO) -> None:
     if llm["checkpoint"] is not None:
         ckpt = llm["checkpoint"]
         w(f"\nllm checkpoint     {ckpt['path']}\n  attention        {ckpt['attention']}\n")
+        w(f"  weights          {ckpt['weights']['name']}: {ckpt['weights']['reason']}\n")
         _render_limits(w, ckpt, "  ")
     w(f"\ntriton             {t['mode']}" + (f" ({t['reason']})" if t["reason"] else "") + "\n")
     w("\nversions\n")
@@ -204,22 +207,36 @@ def _render_limits(w, entry: dict, indent: str) -> None:
 
 def checkpoint_report(model: str) -> dict:
     """The attention path the engine would run for the checkpoint (or config .json) at ``model``, as the audit
-    names it (shared-top-k layers counted), and what its family refuses or cannot use yet; reads the config only.
+    names it (shared-top-k layers counted), what its family refuses or cannot use yet, and its declared weight
+    quantisation (None or ``"fp8"``); reads the config only (:func:`collect` adds how the weights load here).
 
     Raises:
-        FileNotFoundError: no config there. ValueError: not JSON, or a model type the engine does not run.
+        FileNotFoundError: no config there. ValueError: not JSON, a model type the engine does not run, or a
+            ``quantization_config`` it cannot load.
     """
     from types import SimpleNamespace
 
+    from metainfer_gen.llm.fp8 import checkpoint_quantization
     from metainfer_gen.llm.models.families import attention_path, family_of
     from metainfer_gen.llm.plan_model import read_config
 
     config = read_config(model)
     family = family_of(config.get("model_type"))
-    fields = {"indexer_types": None, "num_hidden_layers": 0} | config
-    return {"path": str(model), "model_type": family.model_type,
-            "attention": attention_path(SimpleNamespace(**fields)), "refuses": dict(family.refuses),
-            "not_yet": dict(family.not_yet)}
+    fields = {"indexer_types": None, "num_hidden_layers": 0, "quantization_config": None} | config
+    namespace = SimpleNamespace(**fields)
+    return {"path": str(model), "model_type": family.model_type, "attention": attention_path(namespace),
+            "refuses": dict(family.refuses), "not_yet": dict(family.not_yet),
+            "quantization": checkpoint_quantization(namespace)}
+
+
+def _checkpoint_weights(ckpt: dict, device: str, dtype) -> dict:
+    """How :func:`checkpoint_report`'s checkpoint would hold its linear weights on ``device`` by default, as the
+    loader decides (:func:`~metainfer_gen.llm.fp8.choose_weight_format`): ``name`` and ``reason``."""
+    from metainfer_gen.llm.fp8 import choose_weight_format
+    from metainfer_gen.llm.models.families import FAMILIES
+
+    fmt = choose_weight_format(None, ckpt["quantization"], device, dtype, FAMILIES[ckpt["model_type"]].no_fp8_layers)
+    return {"name": fmt.name, "reason": fmt.reason}
 
 
 def cmd_doctor(args: argparse.Namespace, out: TextIO | None = None) -> int:

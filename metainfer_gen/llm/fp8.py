@@ -145,7 +145,7 @@ def choose_weight_format(requested: str | None, declared: str | None, device: to
         if declared == "fp8":
             reason = f"{model_refusal}, so FP8 weights are dequantised once at load to {_dtype_name(dtype)}"
             return WeightFormat(False, True, stay, f"dequantised from fp8 at load to {_dtype_name(dtype)}",
-                                reason if stay else f"{why} (and {model_refusal})")
+                                reason if stay else f"{why}; {model_refusal}")
     if requested == "fp8":
         if stay:
             return WeightFormat(True, False, True, "fp8 (block-scaled, FP8 GEMM)",

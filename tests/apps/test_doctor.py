@@ -89,7 +89,8 @@ def test_render_reports_missing_peer_access_on_a_multi_gpu_machine():
 
 def test_each_family_names_its_attention_path_and_what_it_refuses(tmp_path, capsys):
     """Every family's attention path; DeepSeek-V4's refused features with the reasons the engine audits; with
-    ``--model`` the same for one checkpoint's config (GLM-5's shared-top-k layers counted), read without weights."""
+    ``--model`` the same for one checkpoint's config (GLM-5's shared-top-k layers counted) and how its weights load
+    (a V4 FP8 checkpoint: dequantised, V4 having no FP8 layers), read without weights."""
     import re
 
     from metainfer_gen.llm.models.families import FAMILIES
@@ -98,7 +99,9 @@ def test_each_family_names_its_attention_path_and_what_it_refuses(tmp_path, caps
     glm = {"model_type": "glm_moe_dsa", "num_hidden_layers": 4, "indexer_types": ["full", "shared", "shared", "full"]}
     (tmp_path / "glm").mkdir()
     (tmp_path / "glm" / "config.json").write_text(json.dumps(glm))
-    (tmp_path / "v4.json").write_text(json.dumps({"model_type": "deepseek_v4", "num_hidden_layers": 3}))
+    (tmp_path / "v4.json").write_text(json.dumps({"model_type": "deepseek_v4", "num_hidden_layers": 3,
+                                                  "quantization_config": {"quant_method": "fp8",
+                                                                          "weight_block_size": [128, 128]}}))
     assert main(["doctor", "--model", str(tmp_path / "glm")]) == 0
     out = capsys.readouterr().out
     assert re.search(r"model deepseek_v4   attention: sliding-window K=V rows \+ compressed entries \(CSA: the "
@@ -107,10 +110,13 @@ def test_each_family_names_its_attention_path_and_what_it_refuses(tmp_path, caps
                      out)
     assert re.search(r"model glm_moe_dsa   attention: MLA \+ DSA: indexer \(interleaved rope\).*\n  model", out)
     assert (f"llm checkpoint     {tmp_path / 'glm'}\n  attention        glm_moe_dsa: MLA + DSA: indexer (interleaved "
-            f"rope)") in out and "(2 of 4 layers share top-k)\n" in out
+            f"rope)") in out and "(2 of 4 layers share top-k)\n  weights          " in out
     assert main(["doctor", "--json", "--model", str(tmp_path / "v4.json")]) == 0
     ckpt = json.loads(capsys.readouterr().out)["llm"]["checkpoint"]
     assert ckpt["attention"] == "deepseek_v4: " + FAMILIES["deepseek_v4"].attention and ckpt["refuses"] == v4
+    # an FP8 checkpoint of a family without FP8 layers: dequantised at load, and why
+    assert ckpt["quantization"] == "fp8" and ckpt["weights"]["name"].startswith("dequantised from fp8 at load to ")
+    assert FAMILIES["deepseek_v4"].no_fp8_layers in ckpt["weights"]["reason"]
     assert main(["doctor", "--model", str(tmp_path / "missing")]) == 2
     assert "no config at" in capsys.readouterr().err
     (tmp_path / "llama.json").write_text(json.dumps({"model_type": "llama"}))

@@ -11,7 +11,8 @@ in some releases (``expert_dtype: "fp8"``, DeepSeek-V4-Flash-Base) and MXFP4 in 
 DeepSeek-V4-Flash): e2m1 values two per int8 byte (the even element in the low nibble), (N, K/2), with one
 scale per 32 values of a row, (N, K/32), ue8m0 or float.
 
-The engine's V4 layers hold no FP8 weights (:data:`FP8_REFUSAL`), so every FP8 weight is dequantised once while
+The engine's V4 layers hold no FP8 weights (the family table's ``no_fp8_layers``,
+:mod:`~metainfer_gen.llm.models.families`), so every FP8 weight is dequantised once while
 loading, on every device, through the DeepSeek-V3 loader's code
 (:func:`~metainfer_gen.llm.weight_fill.dequantise_into`: this rank's slice, a group of 128-row tiles at a time,
 the scale blocks covering it); an FP4 expert (whole on its rank) is dequantised by :func:`dequantise_fp4_into`,
@@ -28,11 +29,9 @@ import re
 
 from metainfer_gen.llm.checkpoint_checks import SCALE, check_scale, check_stored
 
-__all__ = ["FP4_GROUP", "FP4_ROWS", "FP8_REFUSAL", "SCALE_NAMES", "block_scale_of", "check_v4_checkpoint",
+__all__ = ["FP4_GROUP", "FP4_ROWS", "SCALE_NAMES", "block_scale_of", "check_v4_checkpoint",
            "check_v4_quantization", "dequantise_fp4_into", "is_block_scale", "is_fp4", "unpacked_shape"]
 
-FP8_REFUSAL = ("deepseek_v4 has no FP8 layers yet (its experts and grouped output projection multiply in plain "
-               "torch)")
 SCALE_NAMES = (SCALE, "scale")  # transformers' name, then DeepSeek-V4's own
 FP4_GROUP = 32  # values of a row per FP4 scale
 FP4_ROWS = 1024  # rows of an FP4 expert dequantised at a time (bounds the float32 transient)

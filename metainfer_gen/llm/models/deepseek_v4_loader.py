@@ -132,12 +132,13 @@ def load_v4_model(path: Path, config, *, dtype: torch.dtype, device: torch.devic
     from metainfer_gen.llm.checkpoint import SafetensorsCheckpoint
     from metainfer_gen.llm.fp8 import checkpoint_quantization, choose_weight_format, record_weight_format
     from metainfer_gen.llm.models.deepseek_v4_engine import DeepseekV4ForCausalLM
-    from metainfer_gen.llm.models.deepseek_v4_fp8 import (FP8_REFUSAL, block_scale_of, check_v4_checkpoint,
-                                                          check_v4_quantization, dequantise_fp4_into, is_fp4,
-                                                          unpacked_shape)
+    from metainfer_gen.llm.models.deepseek_v4_fp8 import (block_scale_of, check_v4_checkpoint, check_v4_quantization,
+                                                          dequantise_fp4_into, is_fp4, unpacked_shape)
+    from metainfer_gen.llm.models.families import FAMILIES
     from metainfer_gen.llm.weight_fill import dequantise_into
 
-    fmt = choose_weight_format(quantization, checkpoint_quantization(config), device, dtype, FP8_REFUSAL)
+    fmt = choose_weight_format(quantization, checkpoint_quantization(config), device, dtype,
+                               FAMILIES[config.model_type].no_fp8_layers)
     check_v4_quantization(config)
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(config, max_positions, tp)

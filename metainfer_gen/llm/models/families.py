@@ -33,6 +33,9 @@ class ModelFamily:
             prefix is registered) and "compiled_decode" (decode steps run eager: no static buffers, compiled graph
             or CUDA graphs). The model class reads its reasons from here
             (:mod:`~metainfer_gen.llm.model_refusals`); the audit and ``doctor`` print them.
+        no_fp8_layers: why the model holds no FP8 weights (None: its linear layers take them): its FP8 checkpoints
+            are then dequantised at load on every device (:func:`~metainfer_gen.llm.fp8.choose_weight_format`'s
+            ``model_refusal``; the loader and ``doctor --model`` read it).
     """
 
     model_type: str
@@ -42,6 +45,7 @@ class ModelFamily:
     missing: str | None = None
     not_yet: dict[str, str] = field(default_factory=dict)
     refuses: dict[str, str] = field(default_factory=dict)
+    no_fp8_layers: str | None = None
 
     @property
     def supported(self) -> bool:
@@ -52,6 +56,7 @@ _V4_ATTENTION = ("sliding-window K=V rows + compressed entries (CSA: the indexer
                  "all 128x entries) over the paged pool, per sequence; compressor buffers in a per-sequence table")
 # What the engine does not do for V4 yet; settings that need it are refused (check_engine_settings).
 _V4_NOT_YET = {"fp8": "its layers have no FP8 weights or FP8 KV cache yet; an FP8 checkpoint loads, dequantised"}
+_V4_NO_FP8 = "deepseek_v4 has no FP8 layers yet: its experts and grouped output projection multiply in plain torch"
 _V4_REFUSES = {"prefix_caching": "deepseek_v4: compressed entries and compressor buffers span block boundaries, so a "
                                  "cached block is not reusable alone yet",
                "compiled_decode": "deepseek_v4: its attention gathers per sequence and its compressors keep "
@@ -64,7 +69,7 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     ModelFamily("glm_moe_dsa", "MLA + DSA: indexer (interleaved rope) on indexer_types 'full' layers, 'shared' "
                                "layers reuse the previous full layer's top-k; absorbed sparse MLA", sparse=True,
                 indexer_rope_interleaved=True),
-    ModelFamily("deepseek_v4", _V4_ATTENTION, not_yet=_V4_NOT_YET, refuses=_V4_REFUSES),
+    ModelFamily("deepseek_v4", _V4_ATTENTION, not_yet=_V4_NOT_YET, refuses=_V4_REFUSES, no_fp8_layers=_V4_NO_FP8),
 )}
 
 
