@@ -23,8 +23,8 @@ from tests.llm.test_deepseek_v4_engine import CSA, HCA, SLIDING
 from tests.llm.test_deepseek_v4_tp import SPLIT
 from tests.llm.v4_checkpoints import make_hf_v4_model, save_v4_fp8_checkpoint
 
-# layer types, block size, scale name, ue8m0 scales and FP4 experts (DeepSeek-V4-Flash's) or float32 scales and
-# FP8 experts (V4-Flash-Base's)
+# layer types, block size, scale name, ue8m0 scales, FP4 experts and the release's tensor names (DeepSeek-V4-Flash's)
+# or float32 scales, FP8 experts and transformers' names (V4-Flash-Base's, as save_pretrained writes them)
 MIXES = {"sliding-csa-hca": ([SLIDING, CSA, HCA], 16, "scale", True),
          "hca-csa-csa": ([HCA, CSA, CSA], 4, "weight_scale_inv", False)}
 FORMATS = {"sliding-csa-hca": "dequantised from fp8 (routed experts fp4) at load to float32",
@@ -51,7 +51,8 @@ def saved(tmp_path_factory):
         root = tmp_path_factory.mktemp(f"v4_fp8_{name}")
         model = make_hf_v4_model(num_hidden_layers=len(types), layer_types=types, max_position_embeddings=128,
                                  hidden_size=HIDDEN, mlp_layer_types=["hash_moe"] + ["moe"] * (len(types) - 1))
-        save_v4_fp8_checkpoint(model, root / "fp8", root / "grid", suffix, ue8m0, fp4_experts=ue8m0)
+        save_v4_fp8_checkpoint(model, root / "fp8", root / "grid", suffix, ue8m0, fp4_experts=ue8m0,
+                               deepseek_names=ue8m0)
         reference = _reference(root / "grid")
         expected = [hf_greedy(reference, p, NEW) for p in prompts]
         out[name] = (root / "fp8", root / "grid", block_size, reference, expected)
@@ -68,9 +69,11 @@ def test_fp8_checkpoint_loads_dequantised_to_transformers_tokens(saved, mix):
     """13-token steps: prefill chunks end inside CSA and HCA windows and mix with decodes."""
     (runs, prompts) = saved
     fp8, grid, block_size, _, expected = runs[mix]
+    layers = "layers." if MIXES[mix][3] else "model.layers."  # the release's names, or save_pretrained's
     with SafetensorsCheckpoint(fp8) as ckpt:
-        assert ckpt.dtype("model.layers.0.attn.wq_a.weight") == "F8_E4M3"
-        assert ckpt.dtype("model.layers.1.attn.compressor.wkv.weight") == "F32"  # dense, as DeepSeek ships it
+        assert ckpt.dtype(layers + "0.attn.wq_a.weight") == "F8_E4M3"
+        assert ckpt.dtype(layers + "1.attn.compressor.wkv.weight") == "F32"  # dense, as DeepSeek ships it
+        assert ckpt.dtype(layers + "1.ffn.experts.0.w1.weight") == ("I8" if MIXES[mix][3] else "F8_E4M3")
     with kernels.audit() as report:
         engine = _engine(fp8, block_size)
     fmt = engine.weight_format
@@ -118,25 +121,25 @@ def _edit_tensors(path, edit):
 
 def _fp4_attention(tensors):
     """wq_a packed as FP4 (only routed experts are FP4 in DeepSeek's releases)."""
-    name = "model.layers.0.attn.wq_a.weight"
+    name = "layers.0.attn.wq_a.weight"
     tensors[name] = torch.randint(-128, 127, (32, HIDDEN // 2), dtype=torch.int8)
     tensors[name.removesuffix("weight") + "scale"] = torch.ones(32, HIDDEN // 32).to(torch.float8_e8m0fnu)
 
 
 CASES = {  # what is broken -> the error it gets
-    "scale missing": (lambda t: t.pop("model.layers.1.attn.wo_a.scale"), {},
-                      r"model.layers.1.attn.wo_a.weight is stored in fp8 \(F8_E4M3\) but the checkpoint has no "
-                      r"model.layers.1.attn.wo_a.scale"),
-    "scale grid": (lambda t: t.update({"model.layers.0.attn.wq_a.scale": torch.ones(1, 1)}), {},
-                   r"model.layers.0.attn.wq_a.scale is F32 \(1, 1\), but the fp8 weight "
-                   r"model.layers.0.attn.wq_a.weight \(32, 160\) needs one float32 \(or ue8m0\) scale per "
+    "scale missing": (lambda t: t.pop("layers.1.attn.wo_a.scale"), {},
+                      r"layers.1.attn.wo_a.weight is stored in fp8 \(F8_E4M3\) but the checkpoint has no "
+                      r"layers.1.attn.wo_a.scale"),
+    "scale grid": (lambda t: t.update({"layers.0.attn.wq_a.scale": torch.ones(1, 1)}), {},
+                   r"layers.0.attn.wq_a.scale is F32 \(1, 1\), but the fp8 weight "
+                   r"layers.0.attn.wq_a.weight \(32, 160\) needs one float32 \(or ue8m0\) scale per "
                    r"128x128 block: shape \(1, 2\)"),
-    "fp4 scale grid": (lambda t: t.update({"model.layers.1.ffn.experts.0.w1.scale": torch.ones(32, 4)}), {},
-                       r"model.layers.1.ffn.experts.0.w1.scale is F32 \(32, 4\), but the FP4 expert weight "
-                       r"model.layers.1.ffn.experts.0.w1.weight \(N, K\) = \(32, 160\) needs one float32 \(or "
+    "fp4 scale grid": (lambda t: t.update({"layers.1.ffn.experts.0.w1.scale": torch.ones(32, 4)}), {},
+                       r"layers.1.ffn.experts.0.w1.scale is F32 \(32, 4\), but the FP4 expert weight "
+                       r"layers.1.ffn.experts.0.w1.weight \(N, K\) = \(32, 160\) needs one float32 \(or "
                        r"ue8m0\) scale per 32 values of a row: shape \(32, 5\)"),
-    "fp4 attention": (_fp4_attention, {}, r"model.layers.0.attn.wq_a.weight is FP4-packed \(I8 with "
-                                          r"model.layers.0.attn.wq_a.scale\), but only DeepSeek-V4's routed experts"),
+    "fp4 attention": (_fp4_attention, {}, r"layers.0.attn.wq_a.weight is FP4-packed \(I8 with "
+                                          r"layers.0.attn.wq_a.scale\), but only DeepSeek-V4's routed experts"),
     "int4 experts": (None, {"expert_dtype": "int4"}, r"deepseek_v4 checkpoint with expert_dtype 'int4': the engine "
                                                      r"reads FP8-block \('fp8'\) and MXFP4 \('fp4'\)"),
     "64x64 blocks": (None, {"weight_block_size": [64, 64]}, r"fp8 checkpoint weight_block_size \[64, 64\] is not "

@@ -84,12 +84,22 @@ def dequantise_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return values * scale.float().repeat_interleave(32, -1)
 
 
+def _deepseek_name(name: str) -> str:
+    """transformers' saved name -> DeepSeek's release name (``layers.N.*``, ``embed``, ``norm``, ``hc_head_*``)."""
+    for old, new in (("model.layers.", "layers."), ("model.embed_tokens.", "embed."), ("model.norm.", "norm."),
+                     ("model.hc_head.hc_", "hc_head_")):
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 def save_v4_fp8_checkpoint(model, fp8_path, grid_path, scale_suffix: str = "scale", ue8m0: bool = False,
-                           fp4_experts: bool = False) -> None:
+                           fp4_experts: bool = False, deepseek_names: bool = False) -> None:
     """Save ``model`` twice: at ``fp8_path`` as DeepSeek ships V4 in FP8 (:data:`V4_FP8` tensors e4m3 with their
     block scales named ``<module>.<scale_suffix>``, config ``quantization_config`` fp8 [128, 128], ``scale_fmt``
     ue8m0 with ``ue8m0``; with ``fp4_experts`` the routed experts in FP4 (:func:`quantise_fp4`, ``expert_dtype``
-    fp4), as DeepSeek-V4-Flash), and at ``grid_path`` densely with exactly the dequantised values (the reference)."""
+    fp4), as DeepSeek-V4-Flash; with ``deepseek_names`` the release's names, ``layers.N.attn.wq_a.scale`` ...),
+    and at ``grid_path`` densely with exactly the dequantised values (the reference)."""
     from pathlib import Path
 
     from safetensors.torch import load_file, save_file
@@ -110,6 +120,8 @@ def save_v4_fp8_checkpoint(model, fp8_path, grid_path, scale_suffix: str = "scal
             q, scale = quantise_block(fp8[name], ue8m0)
             grid[name] = dequantize_fp8_weight_reference(q, scale.float())
         fp8[name], fp8[name.removesuffix("weight") + scale_suffix] = q, scale
+    if deepseek_names:
+        fp8 = {_deepseek_name(name): tensor for name, tensor in fp8.items()}
     save_file(fp8, file, metadata={"format": "pt"})
     save_file(grid, grid_path / file.name, metadata={"format": "pt"})
     config = json.loads((fp8_path / "config.json").read_text())
