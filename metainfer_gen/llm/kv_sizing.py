@@ -93,16 +93,19 @@ def size_kv_pool(model, config, *, max_model_len: int, dtype: torch.dtype, devic
     """The pool for ``config`` (an :class:`~metainfer_gen.llm.config.EngineConfig`).
 
     Under tensor parallelism every rank profiles and the smallest pool wins, so block tables agree.
+    A model whose blocks take no bytes (DeepSeek-V4 with only sliding layers: its windows are per sequence) gets
+    the ``max_num_seqs`` x ``max_model_len`` blocks it can use.
     Raises:
         ValueError: the measured split leaves no room for even one block (the message has the numbers).
     Profiling runs both worst steps on one scratch block per layer
     (:func:`~metainfer_gen.llm.memory_profile.measure_step_peak`), so it needs no KV memory of its own.
     """
     useful = config.max_num_seqs * -(-max_model_len // config.block_size)
+    per_block = max(1, bytes_per_block)  # a divisor: 0 where the pool holds nothing
     if config.num_kv_blocks:
         return KVPoolSizing("num_kv_blocks", config.num_kv_blocks, bytes_per_block)
     if config.kv_cache_memory_gib:
-        blocks = max(1, min(int(config.kv_cache_memory_gib * 2**30) // bytes_per_block, useful))
+        blocks = max(1, min(int(config.kv_cache_memory_gib * 2**30) // per_block, useful))
         return KVPoolSizing("kv_cache_memory_gib", blocks, bytes_per_block)
     tokens = min(config.max_num_batched_tokens, max_model_len)
     seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
@@ -113,7 +116,7 @@ def size_kv_pool(model, config, *, max_model_len: int, dtype: torch.dtype, devic
     budget = int(config.memory_budget_gib * 2**30) if config.memory_budget_gib else \
         default_budget(model, device, config.gpu_memory_utilization)
     margin = int(config.kv_memory_margin * budget)
-    by_memory = (budget - weights - peak - margin) // bytes_per_block
+    by_memory = (budget - weights - peak - margin) // per_block
     tp = getattr(model, "tp", None)
     if tp is not None and tp.enabled:
         gathered = tp.all_gather_last(torch.tensor([[float(by_memory)]], dtype=torch.float64, device=device))

@@ -6,7 +6,7 @@ layout and weight format: the planner's V4 rows (plain Python, no torch; ``metai
 
 Layouts over N devices (the engine runs the "TP" layout with bf16/fp32 weights, not "DP attention" or FP8; the
 state counted is the minimal one, :func:`~metainfer_gen.llm.plan_v4.v4_state_bytes`: the engine's paged pool also
-keeps every token's window row, ``plan_v4_pool.py``):
+rounds the compressed entries to whole blocks, ``plan_v4_pool.py``):
 
 - "TP": heads, shared-expert columns and vocabulary over all N ranks, routed experts whole over N; each
   sequence's state is replicated on every rank (one K=V head), so the host holds as many sequences as one rank.

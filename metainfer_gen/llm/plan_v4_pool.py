@@ -1,9 +1,10 @@
 """DeepSeek-V4's bytes in the engine's paged KV pool, from its config alone (plain Python, no torch).
 
 The layout is :mod:`metainfer_gen.llm.models.deepseek_v4_engine`'s (the runner allocates it from the model's
-``cache_layout``); this count from the config is what the tests hold the allocation to. For the state one
-sequence needs at the least (the window bounded at ``sliding_window`` rows), see
-:func:`metainfer_gen.llm.plan_v4.v4_state_bytes`.
+``cache_layout``); this count from the config is what the tests hold the allocation to. The pool holds only what
+grows with the context (compressed entries and indexer keys); each sequence's window rows and compressor buffers
+are bounded and live in its side table, counted by :func:`metainfer_gen.llm.plan_v4.v4_state_bytes` (``window``,
+``buffers``), which also gives the least one sequence needs.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ _CSA, _HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 
 def v4_paged_bytes_per_block(cfg: dict, block_size: int, element_bytes: int) -> int:
     """Bytes one block of the engine's paged pool takes for a V4 model, all layers together
-    (:mod:`metainfer_gen.llm.models.deepseek_v4_engine`'s layout): every token's K=V row (``head_dim``) on every
-    layer, plus ``ceil(block_size / rate)`` entry slots on compressed layers (``head_dim`` values, and the
-    ``index_head_dim`` indexer key on CSA layers). The compressors' pending buffers are per sequence, outside the
-    pool (at most ``rate`` projected tokens and, on CSA, the last Ca half, per layer).
+    (:mod:`metainfer_gen.llm.models.deepseek_v4_engine`'s layout): ``ceil(block_size / rate)`` entry slots on each
+    compressed layer (``head_dim`` values, and the ``index_head_dim`` indexer key on CSA layers); sliding layers
+    take none. Against the least state (one entry per ``rate`` tokens) the only excess is that rounding: an HCA
+    layer (rate 128) pays one slot in every block, used by one block in ``rate / block_size``. The window rows
+    (``sliding_window - 1`` per layer) and the compressors' pending buffers are per sequence, outside the pool.
 
     Raises:
         ValueError: a missing field or an unknown layer type (named).
@@ -29,7 +31,6 @@ def v4_paged_bytes_per_block(cfg: dict, block_size: int, element_bytes: int) -> 
     for i, kind in enumerate(cfg["layer_types"]):
         if kind not in ("sliding_attention", _CSA, _HCA):
             raise ValueError(f"layer_types[{i}] = {kind!r} is not a DeepSeek-V4 attention type")
-        values += block_size * d
         if kind != "sliding_attention":
             values += -(-block_size // int(rates[kind])) * (d + (di if kind == _CSA else 0))
     return values * element_bytes

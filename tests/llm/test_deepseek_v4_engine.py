@@ -164,9 +164,9 @@ def test_compiled_decode_refused_once_and_warmup_compiles_nothing(v4, monkeypatc
 
 def test_pool_bytes_equal_the_config_formula(tmp_path):
     """The bytes the runner allocates per block, what the sizing counts and the formula from config.json agree; for
-    this config (sliding, CSA, HCA; head_dim 32, index_head_dim 16; rates 4, 8) at block size 16 that is 16 K=V
-    rows of 32 on 3 layers, 4 CSA entries of 32 + 16 and 2 HCA entries of 32: 1792 float32 values, 448 bytes a
-    token; measured sizing (no block count given) runs its profile steps without sequences."""
+    this config (sliding, CSA, HCA; head_dim 32, index_head_dim 16; rates 4, 8) at block size 16 that is 4 CSA
+    entries of 32 + 16 and 2 HCA entries of 32 (the window rows are per sequence, not paged): 256 float32 values,
+    64 bytes a token; measured sizing (no block count given) runs its profile steps without sequences."""
     from metainfer_gen.llm.plan_v4_pool import v4_paged_bytes_per_block
 
     model = _save(tmp_path, [SLIDING, CSA, HCA])
@@ -175,8 +175,8 @@ def test_pool_bytes_equal_the_config_formula(tmp_path):
     allocated = sum(t.numel() * t.element_size() for t in engine.runner.kv_caches)
     assert engine.kv_sizing.source == "measured"
     assert allocated == num_blocks * engine.kv_sizing.bytes_per_block
-    assert engine.kv_sizing.bytes_per_block == v4_paged_bytes_per_block(model.config.to_dict(), 16, 4) == 1792 * 4
-    assert v4_paged_bytes_per_block(model.config.to_dict(), 4, 2) == (3 * 4 * 32 + 1 * 48 + 1 * 32) * 2
+    assert engine.kv_sizing.bytes_per_block == v4_paged_bytes_per_block(model.config.to_dict(), 16, 4) == 256 * 4
+    assert v4_paged_bytes_per_block(model.config.to_dict(), 4, 2) == (1 * 48 + 1 * 32) * 2
     assert len(engine.model.states) == 0  # profiling left no state behind
 
 

@@ -1,18 +1,20 @@
 """DeepSeek-V4 attention over the engine's paged pool: a flat batch of several sequences' new tokens.
 
 The same computation as the reference path (:class:`~metainfer_gen.llm.layers.v4_attention.V4Attention`, token-exact
-with transformers' ``DeepseekV4Attention``), with its state moved into the paged KV pool, addressed through each
-sequence's block table (:class:`~metainfer_gen.llm.attention_metadata.AttentionMetadata`):
+with transformers' ``DeepseekV4Attention``), with the state that grows with the context (the compressed entries)
+moved into the paged KV pool, addressed through each sequence's block table
+(:class:`~metainfer_gen.llm.attention_metadata.AttentionMetadata`):
 
-- every layer: the K=V row (``head_dim``) of every token, at the token's slot (``meta.slot_mapping``); the sliding
-  window reads positions ``max(0, p - sliding_window + 1) .. p`` back through the block table;
 - compressed layers: entry ``e`` of rate ``r`` at the block holding token ``e r``, compacted to
   ``ceil(block_size / r)`` entry slots a block (slot ``(e r mod block_size) // r``); on CSA layers an entry's row
   is its ``head_dim`` values followed by its ``index_head_dim`` indexer key.
 
-What does not fit a block (the compressor's pending tokens, fewer than ``r`` projected rows, and CSA's last Ca
-half) is a per-sequence :class:`~metainfer_gen.llm.layers.kv_compressor.CompressorState`, passed in by the model
-(:mod:`metainfer_gen.llm.models.deepseek_v4_engine` says where it lives). The projections run once over all T
+What is bounded per sequence is its :class:`~metainfer_gen.llm.layers.v4_attention.AttentionState` of the layer,
+passed in by the model (:mod:`metainfer_gen.llm.models.deepseek_v4_engine` says where it lives): ``window``, the
+K=V rows (``head_dim``) of its last ``sliding_window - 1`` tokens (the sliding window is those rows and the step's
+new ones, positions ``max(0, p - sliding_window + 1) .. p``; rows that slide out are dropped), and the compressor's
+and indexer's :class:`~metainfer_gen.llm.layers.kv_compressor.CompressorState` (pending tokens, fewer than ``r``
+projected rows, and CSA's last Ca half). The projections run once over all T
 tokens; the window grouping of the compressors, the indexer's top-k and the attention itself run sequence by
 sequence (their key sets differ per sequence), a few query rows at a time (at most ``ROW_TILE_ELEMENTS`` scores
 held), the compressed entries a tile of context at a time (:mod:`~metainfer_gen.llm.layers.v4_entries`: the
@@ -28,8 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from metainfer_gen.llm.layers.kv_compressor import CompressorState
-from metainfer_gen.llm.layers.v4_attention import CSACompressor, V4Attention
+from metainfer_gen.llm.layers.v4_attention import AttentionState, CSACompressor, V4Attention
 from metainfer_gen.llm.layers.v4_entries import EntryReader, attend_entries, top_entries
 
 ROW_TILE_ELEMENTS = 1 << 20  # attention / indexer scores held at once per sequence: 4 MB in float32
@@ -71,17 +72,8 @@ def sequence_views(meta) -> list[SequenceView]:
                          **where[i]) for i in range(len(meta.starts))]
 
 
-@dataclass(frozen=True, slots=True)
-class LayerCaches:
-    """One layer's pool tensors: ``window`` (num_blocks, block_size, 1, head_dim); ``entries`` (num_blocks,
-    entry_slots_per_block, 1, head_dim [+ index_head_dim on CSA]) on compressed layers, else None."""
-
-    window: torch.Tensor
-    entries: torch.Tensor | None = None
-
-
-def paged_v4_attention(attn: V4Attention, x: torch.Tensor, meta, views: list[SequenceView], caches: LayerCaches,
-                       states: list[tuple[CompressorState, CompressorState] | None], rope: dict) -> torch.Tensor:
+def paged_v4_attention(attn: V4Attention, x: torch.Tensor, meta, views: list[SequenceView],
+                       entries: torch.Tensor | None, states: list[AttentionState], rope: dict) -> torch.Tensor:
     """One V4 attention layer over a flat batch.
 
     Args:
@@ -89,20 +81,20 @@ def paged_v4_attention(attn: V4Attention, x: torch.Tensor, meta, views: list[Seq
         x: (T, hidden) the normed attention input of every new token.
         meta: the step's :class:`~metainfer_gen.llm.attention_metadata.AttentionMetadata`.
         views: :func:`sequence_views` of ``meta``.
-        caches: the layer's pool tensors; the new K=V rows, entries and indexer keys are written into them.
-        states: per sequence (batch order), its (compressor, indexer) states on a compressed layer (the indexer's
-            is unused on HCA), updated in place; None entries on a sliding layer.
+        entries: the layer's pool tensor (num_blocks, entry_slots_per_block, 1, head_dim [+ index_head_dim on CSA])
+            on compressed layers, else None; the new entries and indexer keys are written into it.
+        states: per sequence (batch order), its state of this layer (``window`` (min(start, sliding_window - 1),
+            head_dim) in the pool's dtype, ``compressor``, ``indexer``), updated in place: ``window`` is replaced
+            by the last rows after the step's tokens, the compressor states advance.
         rope: {"main"/"compress": (cos, sin) (T, rope_dim / 2) at the tokens' positions, "tables": the full
             {"main"/"compress": (cos, sin) (max_positions, rope_dim / 2)}}.
     Returns:
         (T, hidden) in x's dtype.
     Raises:
-        RuntimeError: a sequence whose compressor state does not end where its cached tokens do.
+        RuntimeError: a sequence whose window or compressor state does not end where its cached tokens do.
     """
     cos, sin = rope[attn.rope_type]
     q, q_resid, kv = attn.project(x, cos, sin)
-    window = caches.window.view(-1, caches.window.shape[-1])
-    window[meta.slot_mapping] = kv.to(window.dtype)
     comp = attn.compressor
     projected = None
     if comp is not None:
@@ -115,11 +107,11 @@ def paged_v4_attention(attn: V4Attention, x: torch.Tensor, meta, views: list[Seq
         rows = view.rows
         lo = max(0, view.start - attn.window + 1)
         key_pos = torch.arange(lo, view.context_len, device=x.device)
-        keys = window[view.slot_of(key_pos)].to(q.dtype)  # the sliding window's K=V rows (T_i + window - 1 at most)
+        keys = _slide(attn, state, kv[rows], view.start - lo).to(q.dtype)  # (T_i + window - 1 at most, D)
         pos, q_i, out_i = meta.positions[rows], q[rows], out[rows]
         reader = whole = None
         if comp is not None:
-            reader = _compressed(attn, view, state, [p[rows] for p in projected], caches.entries, meta.block_size,
+            reader = _compressed(attn, view, state, [p[rows] for p in projected], entries, meta.block_size,
                                  rope["tables"]["compress"])
             if reader.num_entries <= reader.tile_entries and not isinstance(comp, CSACompressor):
                 whole = reader.read(0, reader.num_entries).to(q.dtype)  # HCA: every complete entry joins the keys
@@ -142,6 +134,23 @@ def paged_v4_attention(attn: V4Attention, x: torch.Tensor, meta, views: list[Seq
     return attn.project_out(out, cos, sin)
 
 
+def _slide(attn: V4Attention, state: AttentionState, kv: torch.Tensor, held: int) -> torch.Tensor:
+    """One sequence's sliding-window keys for its T new K=V rows ``kv`` (T, D): the ``held`` rows before them
+    (the state's window) then ``kv``, (held + T, D) in the window's dtype; ``state.window`` becomes the last
+    ``sliding_window - 1`` of them, copied (a view would keep this step's rows alive).
+
+    Raises:
+        RuntimeError: the state's window does not hold ``held`` rows (lost or reused).
+    """
+    if state.window.shape[0] != held:
+        raise RuntimeError(f"window state holds {state.window.shape[0]} rows but the sequence needs {held}: its "
+                           f"state was lost or reused")
+    keys = torch.cat([state.window, kv.to(state.window.dtype)])
+    cut = max(0, keys.shape[0] - attn.window + 1)
+    state.window = keys[cut:].clone() if cut else keys  # keys is never written: the window may share it
+    return keys
+
+
 def _width(attn: V4Attention, num_keys: int, reader: EntryReader | None) -> int:
     """Scores one query row holds at once: heads x keys, and on compressed layers heads x a tile of entries (HCA)
     or the indexer's heads x a tile of entries (CSA)."""
@@ -161,11 +170,11 @@ def _row_tiles(num_rows: int, width: int):
         yield slice(start, min(num_rows, start + step))
 
 
-def _compressed(attn: V4Attention, view: SequenceView, state, projected: list[torch.Tensor], cache: torch.Tensor,
-                block_size: int, tables) -> EntryReader:
+def _compressed(attn: V4Attention, view: SequenceView, state: AttentionState, projected: list[torch.Tensor],
+                cache: torch.Tensor, block_size: int, tables) -> EntryReader:
     """Feed one sequence's new tokens to the layer's compressor(s), store the entries they close (on CSA with
     their indexer keys after ``head_dim``) and return a reader of every complete entry."""
-    comp, (comp_state, index_state) = attn.compressor, state
+    comp, comp_state, index_state = attn.compressor, state.compressor, state.indexer
     rate, head_dim = comp.rate, comp.head_dim
     pending = 0 if comp_state.kv is None else comp_state.kv.shape[0]
     if comp_state.num_entries * rate + pending != view.start:

@@ -4,19 +4,20 @@ The layers are the reference path's (:mod:`metainfer_gen.llm.models.deepseek_v4`
 holds them); the embedding, hyper-connections, MoE, projections and head run once over all T new tokens of a step,
 attention through :func:`~metainfer_gen.llm.layers.v4_paged_attention.paged_v4_attention`.
 
-Cache layout (:meth:`DeepseekV4ForCausalLM.cache_layout`, what the runner allocates and ``kv_sizing`` counts), per
-layer: a window tensor (num_blocks, block_size, 1, head_dim) holding every token's K=V row; on compressed layers an
-entry tensor (num_blocks, ceil(block_size / rate), 1, head_dim [+ index_head_dim on CSA]). Every token's K=V row
-is kept (not only the last ``sliding_window``): the block manager frees whole sequences, not blocks that slid out
-of the window, so a block holds the same bytes wherever it sits in a table.
+Cache layout (:meth:`DeepseekV4ForCausalLM.cache_layout`, what the runner allocates and ``kv_sizing`` counts): on
+each compressed layer one entry tensor (num_blocks, ceil(block_size / rate), 1, head_dim [+ index_head_dim on
+CSA]); sliding layers have none. Only what a sequence keeps for its whole length is paged.
 
-Compressor buffers (the fewer than ``rate`` projected tokens of the open window, CSA's last Ca half) live in a
-per-sequence side table (:class:`CompressorStates`), not in the pool: they are a few rows per sequence and layer,
-while a pool tensor pays its row in every block, so a paged copy would cost each block what a sequence needs once.
+What is bounded per sequence lives in a per-sequence side table (:class:`SequenceStates`), not in the pool: each
+layer's last ``sliding_window - 1`` K=V rows (the window, a fixed-size tail: rows that slide out are dropped, so it
+does not grow with the context) and the compressor buffers (the fewer than ``rate`` projected tokens of the open
+window, CSA's last Ca half). A pool tensor pays its row in every block, so a paged copy would cost each block what
+a sequence needs once (the window rows would stay in blocks the entries of their tokens keep alive).
 The table is keyed by ``seq_id`` (``AttentionMetadata.seq_ids``); a sequence at position 0 starts fresh (a preempted
 sequence is recomputed from 0), the runner frees an entry when its sequence finishes, aborts or is preempted; a
 step's updates are kept only once its forward completes, with the state it started from, so a step run again
-(``step_recovery`` reruns a failed step's sequences, even after their forward completed) starts from the same state.
+(``step_recovery`` reruns a failed step's sequences, even after their forward completed) starts from the same state
+(so a sequence holds up to two windows between steps: the one its last step started from, and its own).
 Under tensor parallelism every rank keeps its own table: every rank runs the same steps over the same tokens, and
 the compressors are replicated, so the tables stay alike without any exchange. Prefix caching is off for V4
 (``prefix_caching_refusal``): an entry and the compressor state at a block boundary depend on tokens of both blocks,
@@ -35,16 +36,17 @@ import torch
 from metainfer_gen.kernels.audit_log import record
 from metainfer_gen.llm.attention_metadata import AttentionMetadata
 from metainfer_gen.llm.layers.kv_compressor import CompressorState, KVCompressor
-from metainfer_gen.llm.layers.v4_attention import CSACompressor
-from metainfer_gen.llm.layers.v4_paged_attention import (LayerCaches, entry_slots_per_block, paged_v4_attention,
-                                                          sequence_views)
+from metainfer_gen.llm.layers.v4_attention import AttentionState, CSACompressor, V4Attention
+from metainfer_gen.llm.layers.v4_paged_attention import entry_slots_per_block, paged_v4_attention, sequence_views
 from metainfer_gen.llm.models.deepseek_v4 import V4CausalLM, V4RotaryTables
 from metainfer_gen.llm.models.families import AUDIT_OP, AUDIT_SITE, FAMILIES, attention_path
 
-LayerState = tuple[CompressorState, CompressorState] | None
+# One sequence's state of one layer outside the pool: ``window`` (min(tokens, sliding_window - 1), head_dim), the
+# compressor's and (CSA) indexer's CompressorState; its ``entries`` / ``index_keys`` stay None (they are paged).
+LayerState = AttentionState
 
 
-def _clone(state: CompressorState) -> CompressorState:
+def _clone_compressor(state: CompressorState) -> CompressorState:
     """A copy that the compressor can update without touching ``state`` (it reassigns, never writes in place)."""
     copy = CompressorState()
     copy.kv, copy.gate, copy.prior_kv, copy.prior_gate = state.kv, state.gate, state.prior_kv, state.prior_gate
@@ -52,11 +54,22 @@ def _clone(state: CompressorState) -> CompressorState:
     return copy
 
 
-def _scratch(comp: KVCompressor, start: int, like: torch.Tensor) -> CompressorState:
+def _layer_state(window: torch.Tensor, compressor: CompressorState, indexer: CompressorState) -> LayerState:
+    state = AttentionState()
+    state.window, state.compressor, state.indexer = window, compressor, indexer
+    return state
+
+
+def _clone(state: LayerState) -> LayerState:
+    """A copy the step can update without touching ``state`` (the window tensor is reassigned, never written)."""
+    return _layer_state(state.window, _clone_compressor(state.compressor), _clone_compressor(state.indexer))
+
+
+def _scratch(comp: KVCompressor | None, start: int, like: torch.Tensor) -> CompressorState:
     """Zero buffers of the shapes a sequence holds after ``start`` tokens (memory profiling and warm-up run steps
-    at any position without a sequence behind them)."""
+    at any position without a sequence behind them); empty where ``comp`` is None."""
     state = CompressorState()
-    if start:
+    if comp is not None and start:
         width = comp.kv_proj.weight.shape[0]
         state.kv = state.gate = like.new_zeros(start % comp.rate, width)
         if comp.overlap and start >= comp.rate:
@@ -76,14 +89,15 @@ class _Held:
     after: list[LayerState]
 
 
-class CompressorStates:
-    """The compressor buffers of every running sequence, by ``seq_id`` (plain dict, no device work).
+class SequenceStates:
+    """The side table: every running sequence's window rows and compressor buffers, per layer, by ``seq_id``
+    (plain dict, no device work).
 
     ``begin`` hands out copies for one step, ``commit`` keeps them once the step's forward has completed.
     """
 
-    def __init__(self, compressors: list[KVCompressor | None]):
-        self.compressors = compressors
+    def __init__(self, attentions: list[V4Attention]):
+        self.attentions = attentions
         self._states: dict[int, _Held] = {}
         self._bases: list[list[LayerState] | None] = []
 
@@ -92,10 +106,11 @@ class CompressorStates:
 
     def _fresh(self, start: int, like: torch.Tensor) -> list[LayerState]:
         out = []
-        for comp in self.compressors:
+        for attn in self.attentions:
+            comp = attn.compressor
             index = comp.indexer if isinstance(comp, CSACompressor) else None
-            out.append(None if comp is None else
-                       (_scratch(comp, start, like), _scratch(index, start, like) if index else CompressorState()))
+            window = like.new_zeros(min(start, attn.window - 1), attn.head_dim)
+            out.append(_layer_state(window, _scratch(comp, start, like), _scratch(index, start, like)))
         return out
 
     def begin(self, meta: AttentionMetadata, like: torch.Tensor) -> list[list[LayerState]]:
@@ -119,7 +134,7 @@ class CompressorStates:
                 raise RuntimeError(f"sequence {seq_id} resumes at position {start} but its compressor state was "
                                    f"freed; it must restart from position 0")
         return [self._fresh(0, like) if base is None else
-                [None if s is None else (_clone(s[0]), _clone(s[1])) for s in base] for base in self._bases]
+                [_clone(s) for s in base] for base in self._bases]
 
     def commit(self, meta: AttentionMetadata, staged: list[list[LayerState]]) -> None:
         """Keep ``staged`` (from :meth:`begin` of the same ``meta``, its forward completed)."""
@@ -129,15 +144,15 @@ class CompressorStates:
         self._bases = []
 
     def release(self, seq_id: int) -> None:
-        """Forget a sequence's buffers (finished, aborted or preempted)."""
+        """Forget a sequence's window rows and buffers (finished, aborted or preempted)."""
         self._states.pop(seq_id, None)
 
 
 class DeepseekV4ForCausalLM(V4CausalLM):
     """The engine's DeepSeek-V4 (``config``: a transformers ``DeepseekV4Config``; ``max_positions``: the engine's
     ``max_model_len``; ``tp``: this rank's place under tensor parallelism, None for one process; see
-    :class:`~metainfer_gen.llm.models.deepseek_v4.V4CausalLM`). The pool is replicated over the ranks (one K=V head
-    and per-token entries, which every head reads)."""
+    :class:`~metainfer_gen.llm.models.deepseek_v4.V4CausalLM`). The pool and the side table are replicated over the
+    ranks (one K=V head and per-token entries, which every head reads)."""
 
     static_decode_refusal = FAMILIES["deepseek_v4"].refuses["compiled_decode"]
     prefix_caching_refusal = FAMILIES["deepseek_v4"].refuses["prefix_caching"]
@@ -145,20 +160,19 @@ class DeepseekV4ForCausalLM(V4CausalLM):
     def __init__(self, config, max_positions: int, tp=None):
         super().__init__(config, max_positions, tp)
         self.attention_path = attention_path(config)
-        compressors = [layer.self_attn.compressor for layer in self.model.layers]
-        self.states = CompressorStates(compressors)
-        self._cache_index, count = [], 0
-        for comp in compressors:
-            self._cache_index.append((count,) if comp is None else (count, count + 1))
-            count += len(self._cache_index[-1])
+        attentions = [layer.self_attn for layer in self.model.layers]
+        self.states = SequenceStates(attentions)
+        self._cache_index, count = [], 0  # per layer, its entry tensor's place in kv_caches (None: sliding)
+        for attn in attentions:
+            self._cache_index.append(None if attn.compressor is None else count)
+            count += attn.compressor is not None
 
     def cache_layout(self, block_size: int) -> list[tuple[int, int]]:
-        """(slots per block, values per slot) of each pool tensor, layer by layer: the window (block_size,
-        head_dim), then on compressed layers the entries (ceil(block_size / rate), head_dim [+ index_head_dim])."""
+        """(slots per block, values per slot) of each pool tensor: a compressed layer's entries (ceil(block_size /
+        rate), head_dim [+ index_head_dim]), layer by layer; window rows are per sequence (:class:`SequenceStates`)."""
         layout = []
         for layer in self.model.layers:
             attn = layer.self_attn
-            layout.append((block_size, attn.head_dim))
             comp = attn.compressor
             if comp is not None:
                 extra = comp.indexer.head_dim if isinstance(comp, CSACompressor) else 0
@@ -171,16 +185,17 @@ class DeepseekV4ForCausalLM(V4CausalLM):
         self.rotary.tables = {k: tuple(t.to(device) for t in v) for k, v in self.rotary.tables.items()}
 
     def release_sequence(self, seq_id: int) -> None:
-        """Free a sequence's compressor buffers (the runner calls it when the sequence ends or is preempted)."""
+        """Free a sequence's window rows and compressor buffers (the runner calls it when the sequence ends or is
+        preempted)."""
         self.states.release(seq_id)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]
                 ) -> torch.Tensor:
-        """input_ids (T,) int64 -> hidden states (T, hidden); writes the new tokens' K=V rows, entries and indexer
-        keys into ``kv_caches`` (the tensors of :meth:`cache_layout`, in order).
+        """input_ids (T,) int64 -> hidden states (T, hidden); writes the new entries and indexer keys into
+        ``kv_caches`` (the tensors of :meth:`cache_layout`, in order).
 
         Raises:
-            RuntimeError: a sequence resuming without its compressor state (see :class:`CompressorStates`).
+            RuntimeError: a sequence resuming without its state (see :class:`SequenceStates`).
         """
         if not torch.compiler.is_compiling():
             record(AUDIT_OP, AUDIT_SITE, self.attention_path)
@@ -192,8 +207,8 @@ class DeepseekV4ForCausalLM(V4CausalLM):
         views = sequence_views(meta)
         streams = x.unsqueeze(1).expand(-1, self.model.hc_mult, -1).contiguous()  # (T, hc_mult, hidden)
         for i, layer in enumerate(self.model.layers):
-            caches = LayerCaches(*(kv_caches[j] for j in self._cache_index[i]))
-            attend = partial(paged_v4_attention, layer.self_attn, meta=meta, views=views, caches=caches,
+            entries = None if self._cache_index[i] is None else kv_caches[self._cache_index[i]]
+            attend = partial(paged_v4_attention, layer.self_attn, meta=meta, views=views, entries=entries,
                              states=[s[i] for s in staged], rope=rope)
             streams = layer(streams, input_ids, attend)
         self.states.commit(meta, staged)

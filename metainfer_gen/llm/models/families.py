@@ -53,7 +53,8 @@ class ModelFamily:
 
 
 _V4_ATTENTION = ("sliding-window K=V rows + compressed entries (CSA: the indexer's top-k of the 4x entries, HCA: "
-                 "all 128x entries) over the paged pool, per sequence; compressor buffers in a per-sequence table")
+                 "all 128x entries), per sequence: entries in the paged pool, window rows and compressor buffers in a "
+                 "per-sequence table")
 # What the engine does not do for V4 yet; settings that need it are refused (check_engine_settings).
 _V4_NOT_YET = {"fp8": "its layers have no FP8 weights or FP8 KV cache yet; an FP8 checkpoint loads, dequantised"}
 _V4_NO_FP8 = "deepseek_v4 has no FP8 layers yet: its experts and grouped output projection multiply in plain torch"
