@@ -4,7 +4,7 @@
 // log-sum-exp (flash-decoding). The same arithmetic as metainfer_gen.kernels.paged_mla.paged_mla_decode_reference,
 // except that bf16 values meet their probabilities rounded to bf16 (accumulate_pairs), as the prefill's are.
 //
-// Vectors are GCC vector extensions (16 floats), which compile to AVX-512 or to pairs of AVX2 registers for whatever
+// Vectors are GCC vector extensions one register wide (vec16.h: 16 floats on AVX-512, 8 on AVX2) for whatever
 // -march the build targets; where the target has AVX512-BF16, bf16 scores use its pairwise dot product
 // (vdpbf16ps). Threads: torch's intra-op pool (at::parallel_for), one worker per thread taking pieces longest first.
 
@@ -176,7 +176,7 @@ void run_piece(const Piece& p, const T* q, const T* kv, int64_t kv_rows, int64_t
       score_rows<decltype(nh)::value>(qs, dk, rows, row_stride, tokens, heads, h0, scale, scores.data());
     });
     // online softmax: new running max and rescale factor per head, then the probabilities of the whole block
-    // (tokens x heads scores) 16 at a time through the vector exp, then the sums
+    // (tokens x heads scores) kLanes at a time through the vector exp, then the sums
     for (int h = 0; h < heads; ++h) {
       float mx = m[h];
       for (int t = 0; t < tokens; ++t) mx = std::max(mx, scores[t * heads + h]);
