@@ -129,3 +129,12 @@ def test_build_key_follows_the_source_and_the_cpu(tmp_path, monkeypatch):
     other_cpu = cpu_build.build_key("k")
     (tmp_path / "k.cpp").write_text("// two\n")
     assert len({first, other_cpu, cpu_build.build_key("k")}) == 3
+
+
+def test_vectors_are_one_register_of_the_build_target():
+    """16 floats (a zmm register) where the CPU has AVX-512, else 8 (a ymm register): a 16-float vector on an AVX2
+    target lives on the stack and the kernel ran slower than the torch path it replaces."""
+    from metainfer_gen.platform import cpu_flags
+
+    module = cpu_build.ensure_built(paged_mla_cpu.KERNEL)
+    assert module.lanes == (16 if "avx512f" in cpu_flags() else 8)

@@ -294,6 +294,7 @@ torch::Tensor paged_mla_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_mla_decode", &paged_mla_decode, "paged MLA decode through the block table (CPU)");
+  m.attr("lanes") = kLanes;  // floats per vector: one register of the build target (vec16.h)
   m.attr("avx512_bf16") = pybind11::bool_(
 #if defined(__AVX512BF16__)
       true
