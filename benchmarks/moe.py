@@ -2,11 +2,13 @@
 
     OMP_NUM_THREADS=1 python benchmarks/moe.py                # embedded-LLM and random-large MoE shapes
     OMP_NUM_THREADS=1 python benchmarks/moe.py --quick        # fewer token counts and repeats
+    OMP_NUM_THREADS=2 python benchmarks/moe.py --shapes random-large --layers 8   # weights from memory
 
 For each shape and token count T (decode steps of T sequences, prefill chunks), the whole layer (router, routed
 experts, shared experts) is timed with the routed experts run by the old loop over the expert modules and by the
 grouped path (:func:`metainfer_gen.kernels.moe_experts`: one sort, then a padded ``bmm`` or GEMMs per expert run);
-then the routed experts alone, reference vs grouped, and which grouped path ran. Old and new alternate within each repeat and
+then the routed experts alone: reference, grouped (and which grouped path ran) and the C++ float32 kernel
+(:mod:`metainfer_gen.kernels.moe_cpu`, "refused" where it does not apply). Old and new alternate within each repeat and
 the median is reported, so load on a shared machine hits both; the load average is printed with the table. The max
 abs difference between the two outputs is printed (float32: both compute the same sum).
 """
@@ -25,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from metainfer_gen.kernels import moe  # noqa: E402
+from metainfer_gen.kernels import moe, moe_cpu  # noqa: E402
 from metainfer_gen.llm.layers.moe import MoE  # noqa: E402
-from table import print_table  # noqa: E402  (benchmarks/ is on the path when a script here runs)
+from table import print_table, run_header  # noqa: E402  (benchmarks/ is on the path when a script here runs)
 
 SHAPES = {
     "embedded": dict(hidden_size=128, moe_intermediate_size=96, n_routed_experts=8, num_experts_per_tok=2,
@@ -69,27 +71,46 @@ def paired_median(fns: list, repeats: int, inner: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def rows_for(name: str, shape: dict, tokens: list[int], repeats: int) -> list[list[str]]:
-    layer = make_layer(shape)
-    w13, w2 = layer._stacked
+def _max_diff(fn, x, weights, ids, stack) -> float:
+    """Largest absolute difference of ``fn``'s routed-expert output from the reference loop's."""
+    return (fn(x, weights, ids, *stack) - moe.moe_experts_reference(x, weights, ids, *stack)).abs().max().item()
+
+
+def rows_for(name: str, shape: dict, tokens: list[int], repeats: int, num_layers: int) -> list[list[str]]:
+    """One row per token count; every timed call runs ``num_layers`` layers of distinct weights, one after another
+    (reported per layer), so with enough layers each call reads its weights from memory, as a decode step does."""
+    layers = [make_layer(shape, seed) for seed in range(num_layers)]
     rows = []
     for t in tokens:
         x = torch.randn(t, shape["hidden_size"])
         with torch.inference_mode():
-            weights, ids = layer.gate(x)
-            inner = max(1, 32 // t)  # windows of about a millisecond: preemption hits old and new alike
-            old, new, ref, grouped = paired_median([
-                lambda: old_forward(layer, x), lambda: layer(x),
-                lambda: moe.moe_experts_reference(x, weights, ids, w13, w2),
-                lambda: moe.moe_experts_grouped(x, weights, ids, w13, w2)], repeats, inner)
-            err = (old_forward(layer, x) - layer(x)).abs().max().item()
-            counts = torch.bincount(ids.flatten(), minlength=w13.shape[0])
+            routes = [layer.gate(x) for layer in layers]
+            stacks = [layer._stacked for layer in layers]
+
+            def each(fn):
+                return lambda: [fn(layer, w, ids, *stack) for layer, (w, ids), stack in zip(layers, routes, stacks)]
+
+            cpp_refusal = moe_cpu.moe_experts_cpp_supports(x, *routes[0], *stacks[0])
+            fns = [each(lambda layer, w, ids, w13, w2: old_forward(layer, x)), each(lambda layer, *_: layer(x)),
+                   each(lambda layer, w, ids, w13, w2: moe.moe_experts_reference(x, w, ids, w13, w2)),
+                   each(lambda layer, w, ids, w13, w2: moe.moe_experts_grouped(x, w, ids, w13, w2))]
+            if cpp_refusal is None:
+                fns.append(each(lambda layer, w, ids, w13, w2: moe_cpu.moe_experts_cpp(x, w, ids, w13, w2)))
+            inner = max(1, 32 // (t * num_layers))  # windows of about a millisecond: preemption hits all alike
+            times = [v / num_layers for v in paired_median(fns, repeats, inner)]
+            old, new, ref, grouped = times[:4]
+            weights, ids = routes[0]
+            err = (old_forward(layers[0], x) - layers[0](x)).abs().max().item()
+            cpp_err = "-" if cpp_refusal else f"{_max_diff(moe_cpu.moe_experts_cpp, x, weights, ids, stacks[0]):.1e}"
+            counts = torch.bincount(ids.flatten(), minlength=stacks[0][0].shape[0])
         pairs = t * ids.shape[1]
         path = "padded" if pairs <= moe.PADDED_MAX_PAIRS and \
-            w13.shape[0] * int(counts.max()) <= moe.PADDED_MAX_WASTE * pairs else "runs"
+            stacks[0][0].shape[0] * int(counts.max()) <= moe.PADDED_MAX_WASTE * pairs else "runs"
+        cpp = "refused" if cpp_refusal else f"{times[4] * 1e6:,.0f}"
         rows.append([name, str(t), f"{old * 1e6:,.0f}", f"{new * 1e6:,.0f}", f"{old / new:.2f}x",
-                     f"{ref * 1e6:,.0f}", f"{grouped * 1e6:,.0f}", f"{ref / grouped:.2f}x", path,
-                     str(int((counts == 0).sum())), f"{err:.1e}"])
+                     f"{ref * 1e6:,.0f}", f"{grouped * 1e6:,.0f}", f"{ref / grouped:.2f}x", path, cpp,
+                     "-" if cpp_refusal else f"{grouped / times[4]:.2f}x", str(int((counts == 0).sum())),
+                     f"{err:.1e}", cpp_err])
     return rows
 
 
@@ -98,17 +119,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="token counts 16 and 256, 11 repeats")
     parser.add_argument("--repeats", type=int, default=41, help="alternating repeats per row (median reported)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {list(SHAPES)}")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="layers of distinct weights per timed call (8 random-large layers, 113 MB, outgrow a "
+                             "32 MB L3: weights from memory, as in a decode step)")
     args = parser.parse_args(argv)
     tokens = [16, 256] if args.quick else [1, 16, 64, 256, 2048]
     repeats = 11 if args.quick else args.repeats
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     rows = []
     for name in args.shapes.split(","):
-        rows += rows_for(name, SHAPES[name], tokens, repeats)
-    print(f"threads={torch.get_num_threads()}, float32, load average before: {load}, after: "
+        rows += rows_for(name, SHAPES[name], tokens, repeats, args.layers)
+    print(run_header())
+    print(f"threads={torch.get_num_threads()}, float32, {args.layers} layer(s) a call, load average before: {load}, "
+          "after: "
           + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
     print_table(["shape", "T", "layer old us", "layer new us", "layer speedup", "experts ref us",
-                 "experts grouped us", "experts speedup", "grouped path", "idle experts", "max abs diff"], rows)
+                 "experts grouped us", "experts speedup", "grouped path", "experts cpp us", "cpp vs grouped",
+                 "idle experts", "max abs diff", "cpp max abs diff"], rows)
 
 
 if __name__ == "__main__":

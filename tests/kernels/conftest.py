@@ -37,3 +37,15 @@ def _one_seed_per_test(request):
 @pytest.fixture(autouse=True)
 def _no_strict_env(monkeypatch):
     monkeypatch.delenv("METAINFER_STRICT_FAST_PATH", raising=False)
+
+
+def require_cpu_kernel(warm_up) -> None:
+    """Skip without a C++ compiler (the torch paths run there); else build the kernel through ``warm_up`` (a
+    ``kernels.*_cpu.warm_up``) and fail with its refusal if it does not build."""
+    import os
+    import shutil
+
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler (apt-get install g++; .ci/run installs it): the torch paths run")
+    reason = warm_up()
+    assert reason is None, reason

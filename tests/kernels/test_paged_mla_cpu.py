@@ -4,23 +4,18 @@ on/off switch and a build that fails. Tolerances: float32 atol = rtol = 1e-5, bf
 
 from __future__ import annotations
 
-import os
-import shutil
 
 import pytest
 import torch
 
 from metainfer_gen.kernels import cpu_build, paged_mla, paged_mla_cpu
-from tests.kernels.conftest import assert_close
+from tests.kernels.conftest import assert_close, require_cpu_kernel
 from tests.kernels.test_paged_mla import _inputs
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        pytest.skip("no C++ compiler (apt-get install g++; .ci/run installs it): the torch paths run")
-    reason = paged_mla_cpu.warm_up()
-    assert reason is None, reason
+    require_cpu_kernel(paged_mla_cpu.warm_up)
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 64, 256])

@@ -21,8 +21,11 @@ reference loop over their modules, each through the fp8 block GEMM.
 
 While a CUDA graph is being captured (``llm/static_decode.py``), stacked experts run :func:`moe_experts_dense`
 instead: the sorted path reads the per-expert counts on the host, which a graph cannot replay. A compiled CPU decode
-step (``llm/compiled_decode.py``) traces :func:`moe_experts_folded` (every expert, two GEMMs in the graph) where
-E_local <= ``DENSE_IN_GRAPH_MAX_RATIO`` x top-k, and calls the sorted path as an opaque op elsewhere.
+step (``llm/compiled_decode.py``) calls the routed experts as an opaque op where the C++ kernel applies (float32 on
+the CPU: each active expert read once, :mod:`metainfer_gen.kernels.moe_cpu`); elsewhere it traces
+:func:`moe_experts_folded` (every expert, two GEMMs in the graph) where E_local <= ``DENSE_IN_GRAPH_MAX_RATIO`` x
+top-k, and calls the sorted path as an opaque op otherwise. On 2 Zen 3 cores the folded GEMMs of a 16-token decode
+step took 2.2 ms a layer (16 experts of width 192, all multiplied for every token), the C++ kernel 0.44 ms.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metainfer_gen.kernels.moe import moe_experts_loop
+from metainfer_gen.kernels.moe_cpu import moe_weights_cpp_refusal, within_pairs_limit
 from metainfer_gen.llm import graph_ops
 from metainfer_gen.llm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from metainfer_gen.llm.parallel import TensorParallel
@@ -165,6 +169,7 @@ class MoE(nn.Module):
         self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, tp=tp,
                                   reduce=False)
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13, w2), see pack_experts
+        self._cpp_refusal: str | None = "experts not stacked"  # why the C++ experts cannot run over the stack
 
     @torch.no_grad()
     def pack_experts(self) -> bool:
@@ -206,6 +211,7 @@ class MoE(nn.Module):
             for lin, view in ((mlp.gate_proj, w13[e, :size]), (mlp.up_proj, w13[e, size:]), (mlp.down_proj, w2[e])):
                 lin.weight = nn.Parameter(view, requires_grad=False)
         self._stacked = (w13, w2)
+        self._cpp_refusal = moe_weights_cpp_refusal(w13, w2)
 
     def unpack_experts(self) -> None:
         """Run the per-expert reference loop again (the weights stay views of the stack; ``pack_experts`` undoes
@@ -229,11 +235,19 @@ class MoE(nn.Module):
             return None
         return w13, w2
 
+    def _cpp_in_graph(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
+        """Whether a traced step should call the C++ experts (as an opaque op) rather than fold every expert into
+        the graph: decided from shapes, dtypes and the stack's refusal taken when it was built (no call a trace
+        would break on)."""
+        return self._cpp_refusal is None and x.dtype == self._stacked[0].dtype and \
+            within_pairs_limit(ids.numel(), len(self._stacked[0]))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # (T, k) float32, (T, k) int64
         compiling = torch.compiler.is_compiling()
         stacked = self._stacked if compiling else self._stacked_weights()
-        if stacked is not None and compiling and len(stacked[1]) <= DENSE_IN_GRAPH_MAX_RATIO * self.gate.top_k:
+        if stacked is not None and compiling and len(stacked[1]) <= DENSE_IN_GRAPH_MAX_RATIO * self.gate.top_k \
+                and not self._cpp_in_graph(x, ids):
             # traced from the parameters, which a frozen graph holds as constants (the stack is a plain attribute)
             out = moe_experts_folded(x, weights, ids, *self._stack_parameters(), self.first_expert)
         elif stacked is not None and _capturing(x):
