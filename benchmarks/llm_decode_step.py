@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=2 python benchmarks/llm_decode_step.py                 # serve_llm.py's random-large, bf16 default
     OMP_NUM_THREADS=2 python benchmarks/llm_decode_step.py --batches 1,16 --rounds 2 --dtype float32
+    OMP_NUM_THREADS=2 python benchmarks/llm_decode_step.py --dtype float32 --baseline folded-experts
 
 Two warmed-up engines on serve_llm.py's random-large DeepSeek-V3 (576-wide latent) in one process: ``enforce_eager``
 (every decode step eager) and the default (one compiled graph per batch-size bucket, ``llm/compiled_decode.py``).
@@ -10,11 +11,16 @@ ids, ``--output-len`` greedy tokens, ``ignore_eos``); a row is the median decode
 over its rounds. Quality beside each speed-up: both engines' greedy tokens against a float32 eager engine's (the
 reference; not timed), per sequence the share of positions before the first difference (mean and worst), since one
 near-tied argmax changes everything after it; and the compiled engine's against the eager one's.
+
+``--baseline folded-experts`` replaces the eager engine by a compiled one whose MoE layers fold every routed expert
+into two GEMMs of the graph (``moe_experts_folded``) instead of calling the C++ experts
+(:mod:`metainfer_gen.kernels.moe_cpu`): the compiled step before and after that kernel, same interleaving.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -24,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_models import random_large_pipeline, random_prompts  # noqa: E402
 from table import print_table, run_footer, run_header  # noqa: E402
 
+from metainfer_gen.llm.layers.moe import MoE  # noqa: E402
 from metainfer_gen.llm.sequence import SamplingParams  # noqa: E402
 
 
@@ -46,6 +53,19 @@ def timed_generate(engine, prompts, params) -> tuple[list[float], list[list[int]
     return steps, [o.token_ids for o in outputs]
 
 
+@contextlib.contextmanager
+def _experts_folded(on: bool):
+    """While on, MoE layers traced into a compiled step fold every expert into the graph (the path before the C++
+    experts)."""
+    saved = MoE._cpp_in_graph
+    if on:
+        MoE._cpp_in_graph = lambda self, x, ids: False
+    try:
+        yield
+    finally:
+        MoE._cpp_in_graph = saved
+
+
 def agreement(a: list[int], b: list[int]) -> float:
     """Share of positions before the first token that differs."""
     same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -59,15 +79,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="generate calls per row (default 3)")
     parser.add_argument("--output-len", type=int, default=33, help="greedy tokens per prompt (default 33)")
     parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the engine's default)")
+    parser.add_argument("--baseline", choices=("eager", "folded-experts"), default="eager",
+                        help="the engine the compiled one is compared with (default eager)")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     started = time.perf_counter()
     print(run_header())
     engines = {}
-    for mode, dtype, options in (("eager", args.dtype, {"enforce_eager": True}), ("compiled", args.dtype, {}),
-                                 ("reference", "float32", {"enforce_eager": True})):
+    folded = args.baseline == "folded-experts"
+    base = "folded" if folded else "eager"
+    for mode, dtype, options in ((base, args.dtype, {} if folded else {"enforce_eager": True}),
+                                 ("compiled", args.dtype, {}), ("reference", "float32", {"enforce_eager": True})):
         t0 = time.perf_counter()
-        pipe, _, _ = random_large_pipeline(args.workdir, max(batches), "64,256", args.output_len, dtype, **options)
+        with _experts_folded(mode == "folded"):  # the choice is traced during the warm-up's compiles
+            pipe, _, _ = random_large_pipeline(args.workdir, max(batches), "64,256", args.output_len, dtype,
+                                               **options)
         engines[mode] = pipe.engine
         print(f"{mode}: decode path {pipe.engine.decode_path}, dtype {pipe.engine.dtype}, load + warm-up "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
@@ -83,16 +109,16 @@ def main(argv: list[str] | None = None) -> None:
                 tokens[mode, b, r] = out
     rows = []
     for b in batches:
-        eager, compiled = (statistics.median(steps[m, b]) * 1e3 for m in ("eager", "compiled"))
+        eager, compiled = (statistics.median(steps[m, b]) * 1e3 for m in (base, "compiled"))
         quality = []
-        for one, other in (("eager", "reference"), ("compiled", "reference"), ("compiled", "eager")):
+        for one, other in ((base, "reference"), ("compiled", "reference"), ("compiled", base)):
             shares = [agreement(x, y) for r in range(args.rounds)
                       for x, y in zip(tokens[one, b, r], tokens[other, b, r])]
             quality.append(f"{statistics.mean(shares):.1%} / {min(shares):.1%}")
         rows.append([str(b), f"{eager:.2f}", f"{compiled:.2f}", f"{eager / compiled:.2f}x",
                      f"{b / compiled * 1e3:,.0f}", *quality])
-    print_table(["batch", "eager step ms", "compiled step ms", "speed-up", "compiled decode tok/s",
-                 "eager = fp32 tokens (mean / worst)", "compiled = fp32 tokens", "compiled = eager tokens"], rows)
+    print_table(["batch", f"{base} step ms", "compiled step ms", "speed-up", "compiled decode tok/s",
+                 f"{base} = fp32 tokens (mean / worst)", "compiled = fp32 tokens", f"compiled = {base} tokens"], rows)
     print("tokens columns: per sequence, the share of generated positions before the first token that differs")
     print(run_footer(time.perf_counter() - started))
 
