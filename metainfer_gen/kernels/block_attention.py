@@ -2,10 +2,13 @@
 
 The caller joins blocks by log-sum-exp (:class:`metainfer_gen.llm.layers.online_softmax.LSEMerge`). Four paths:
 
-- ``bmm-fused`` (bf16 on a CPU with native bf16): ``bmm-blocks`` with the softmax between its two GEMMs in one C++
-  pass per row (``csrc/block_softmax.cpp``: scale, mask, max, exp, sum in float32, bf16 probabilities written over
-  the bf16 scores), instead of eight torch passes and two casts over each block's scores.
-- ``bmm-blocks`` (a CPU with native bf16: AMX-BF16 or AVX512-BF16, in bf16/fp16): a block of
+- ``bmm-fused`` (float32 on any CPU; bf16 on a CPU with native bf16): ``bmm-blocks`` with the softmax between its
+  two GEMMs in one C++ pass per row (``csrc/block_softmax.cpp``: scale, mask, max, exp, sum in float32,
+  probabilities written over the scores in their dtype), instead of eight torch passes and two casts over each
+  block's scores. In float32 it is 1.2-1.9x PyTorch's fused flash kernel at MLA prefill shapes (8 heads, 512-1,024
+  queries, 128-wide keys, 64-wide values; 2 Zen 3 cores): the flash kernel pads the values to the keys' width and
+  computes more of the masked half (its blocks of 256 queries x 512 keys).
+- ``bmm-blocks`` (float32 on any CPU; bf16/fp16 on a CPU with native bf16: AMX-BF16 or AVX512-BF16): a block of
   :data:`QUERY_BLOCK` queries at a time, the scores through ``bmm`` in the input dtype (oneDNN's bf16 GEMMs),
   a float32 softmax, the probabilities back in the input dtype through ``bmm`` with the values. A causal block of
   queries ``[lo, hi)`` reads keys ``[0, hi)`` only, so the masked half of the score matrix is never computed, and a
@@ -13,8 +16,8 @@ The caller joins blocks by log-sum-exp (:class:`metainfer_gen.llm.layers.online_
   vector code: on an AMD EPYC with AVX512-BF16 (one thread) this path ran 2.2-2.9x faster at MLA prefill shapes
   (8 heads, 256-1,024 queries over 640-768 keys), its error against float32 twice the kernel's (mean 4e-4 against
   2e-4 on unit-variance inputs: the scores are rounded to bf16 before the softmax).
-- ``flash-cpu``: PyTorch's fused CPU flash attention (what ``scaled_dot_product_attention`` runs on the CPU),
-  the faster one in float32 (1.0-1.5x ``bmm-blocks`` on one thread) and where bf16 is emulated.
+- ``flash-cpu``: PyTorch's fused CPU flash attention (what ``scaled_dot_product_attention`` runs on the CPU), where
+  bf16 is emulated. In float32 ``bmm-blocks`` (torch's softmax) is 1.04-1.31x it on 2 Zen 3 cores.
 - ``torch`` (reference, any device): the whole (N, t, s) float32 score matrix through ``einsum``.
 """
 
@@ -55,10 +58,12 @@ def _bmm_blocks(q, k, v, scale: float, mask: torch.Tensor | None = None, causal:
     heads, t, s = q.shape[0], q.shape[1], k.shape[1]
     out = q.new_empty(heads, t, v.shape[-1])
     lse = torch.empty(heads, t, device=q.device)
-    # oneDNN's bmm copies any operand that is not one contiguous (N, rows, cols) block, so a block's key slice is
-    # copied on every call: laid out transposed once, that copy is a plain one instead of a transposing one
-    # (1.2-1.3x on this function at 512-1,024 causal queries, the same results bit for bit)
-    k_t = k.transpose(1, 2).contiguous() if t > block else k.transpose(1, 2)  # (N, dq, s)
+    # oneDNN's bmm (bf16) copies any operand that is not one contiguous (N, rows, cols) block, so a block's key slice
+    # is copied on every call: laid out transposed once, that copy is a plain one instead of a transposing one
+    # (1.2-1.3x on this function at 512-1,024 causal queries, the same results bit for bit). MKL's float32 bmm takes
+    # the transposed view as it is (1.2x over the laid-out keys, whose copy it also saves).
+    relayout = t > block and q.dtype != torch.float32
+    k_t = k.transpose(1, 2).contiguous() if relayout else k.transpose(1, 2)  # (N, dq, s)
     for lo in range(0, t, block):
         hi = min(t, lo + block)
         keys = min(s, hi) if causal else s  # causal, top-left aligned: query i sees keys 0..i
@@ -93,8 +98,8 @@ def _bmm_fused(q, k, v, scale: float, mask: torch.Tensor | None = None, causal: 
 
 
 def _bmm_fused_supports(q, k, v, scale, mask=None, causal=False) -> str | None:
-    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
-        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}: the fused softmax takes bfloat16 scores"
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.bfloat16, torch.float32):
+        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}: the fused softmax takes bfloat16 or float32 scores, one dtype"
     return _bmm_blocks_supports(q, k, v, scale, mask, causal) or load_built("block_softmax")[1]
 
 
@@ -103,9 +108,10 @@ def _bmm_blocks_supports(q, k, v, scale, mask=None, causal=False) -> str | None:
 
     if q.device.type != "cpu":
         return f"device {q.device.type}: the torch reference runs there (no fused GPU prefill kernel is built)"
+    if q.dtype == torch.float32:  # MKL's float32 GEMMs: native on every CPU
+        return None
     if q.dtype not in (torch.bfloat16, torch.float16):
-        return (f"dtype {q.dtype}: PyTorch's fused CPU flash kernel runs float32 faster (1.0-1.5x on one thread); "
-                "run bfloat16 (--dtype bfloat16) on a CPU with AMX-BF16 or AVX512-BF16 for this path")
+        return f"dtype {q.dtype}: the blocks run bfloat16, float16 or float32"
     if not capabilities().cpu_matrix:
         return f"{q.dtype} on a CPU without AMX-BF16 or AVX512-BF16: oneDNN would emulate its bf16 GEMMs"
     return None
@@ -144,9 +150,9 @@ def _example(device: str, dtype: torch.dtype):
 BLOCK_ATTENTION = register_op(Op("block_attention", "prefill attention over one block of keys, with its LSE",
                                  _example))
 BLOCK_ATTENTION.register("bmm-fused", _bmm_fused, _bmm_fused_supports, devices=("cpu",),
-                         description="bmm-blocks with its softmax in one C++ pass per row (bf16)")
+                         description="bmm-blocks with its softmax in one C++ pass per row (float32, bf16)")
 BLOCK_ATTENTION.register("bmm-blocks", _bmm_blocks, _bmm_blocks_supports, devices=("cpu",),
-                         description="128 queries at a time, bf16 bmm (oneDNN), causal half skipped")
+                         description="128 queries at a time, bmm (oneDNN bf16, MKL float32), causal half skipped")
 BLOCK_ATTENTION.register("flash-cpu", _flash_cpu, _flash_cpu_supports, devices=("cpu",),
                          description="PyTorch's fused CPU flash attention")
 BLOCK_ATTENTION.register("torch", block_attention_reference, description="the whole score matrix (einsum)")

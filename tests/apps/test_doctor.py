@@ -18,9 +18,10 @@ OPS = ("rms_norm", "fused_add_rms_norm", "rope", "adaln_modulate", "gated_residu
        "fp8_act_quant", "fp8_weight_dequant", "fp8_block_gemm", "indexer_topk", "sparse_mla", "paged_mla_decode",
        "moe_experts", "conv3d", "channel_rms_norm", "upsample_nearest", "timestep_embedding", "linear",
        "block_attention")
-# Ops whose fastest implementation runs on a CPU-only machine too (plain torch; oneDNN, built into the CPU wheel;
-# moe_experts' C++ kernel, built with the machine's C++ compiler).
-TORCH_FASTEST = ("moe_experts", "conv3d", "channel_rms_norm", "upsample_nearest", "timestep_embedding")
+# Ops whose fastest implementation runs on a CPU-only machine too: plain torch or oneDNN (built into the CPU wheel),
+# and C++ kernels built with the machine's C++ compiler (doctor's example inputs are float32).
+TORCH_FASTEST = ("conv3d", "channel_rms_norm", "upsample_nearest", "timestep_embedding")
+CPP_FASTEST = ("moe_experts", "block_attention")
 
 
 @pytest.fixture(autouse=True)
@@ -45,12 +46,13 @@ def test_doctor_prints_machine_versions_and_every_op(capsys):
         assert "rms_norm             runs compiled" in out  # example inputs are large enough to compile
         assert "store_kv_cache       runs torch" in out
         compiler = shutil.which(os.environ.get("CXX", "c++")) is not None
-        # The C++ experts build with the machine's compiler; without one the grouped GEMMs run, a path not taken.
+        # The C++ kernels build with the machine's compiler; without one the torch paths run, paths not taken.
         assert f"moe_experts          runs {'cpp' if compiler else 'grouped'}" in out
+        assert f"block_attention      runs {'bmm-fused' if compiler else 'bmm-blocks'}" in out
         assert "conv3d               runs onednn" in out
         assert "channel_rms_norm     runs sumsq" in out
         assert "timestep_embedding   runs unique" in out
-        fastest = len(TORCH_FASTEST) - (0 if compiler else 1)
+        fastest = len(TORCH_FASTEST) + (len(CPP_FASTEST) if compiler else 0)
         assert f"{fastest} of {len(OPS)} ops run their fastest path here" in out
 
 

@@ -6,7 +6,9 @@ import torch
 from metainfer_gen import platform
 from metainfer_gen.kernels import block_attention as ba
 from metainfer_gen.kernels.audit_log import audit
+from metainfer_gen.kernels.cpu_build import load_built
 from metainfer_gen.llm import attention_chunks
+from tests.kernels.conftest import require_cpu_kernel
 
 BF16_CPU = platform.Capabilities(device_kind=platform.DeviceKind.CPU, bf16=True, cpu_matrix="avx512_bf16",
                                  cpu_capability="AVX512")
@@ -26,8 +28,8 @@ def _masks(t, s):
     return [dict(), dict(causal=True), dict(mask=mask)]
 
 
-PATHS = [("bmm-fused", torch.bfloat16)] + [(impl, dtype) for impl in ("bmm-blocks", "flash-cpu")
-                                          for dtype in (torch.float32, torch.bfloat16)]
+PATHS = [(impl, dtype) for impl in ("bmm-fused", "bmm-blocks", "flash-cpu")
+         for dtype in (torch.float32, torch.bfloat16)]
 
 
 @pytest.mark.parametrize("impl,dtype", PATHS, ids=[f"{i}-{str(d)[6:]}" for i, d in PATHS])
@@ -51,12 +53,17 @@ def test_each_path_equals_the_whole_matrix(impl, dtype, t, s):
 
 
 def test_the_path_follows_the_dtype_and_the_cpu_flags():
+    """bf16 takes the fused softmax only where bf16 GEMMs are native; float32 takes it on every CPU."""
+    require_cpu_kernel(lambda: load_built("block_softmax")[1])
     q, k, v = _inputs(16, 16, torch.bfloat16)
+    for caps in (BF16_CPU, PLAIN_CPU):
+        with platform.override_capabilities(caps):
+            assert ba.BLOCK_ATTENTION.select(q.float(), k.float(), v.float(), 0.3) == \
+                (ba.BLOCK_ATTENTION.implementation("bmm-fused"), ())
     with platform.override_capabilities(BF16_CPU):
         assert ba.BLOCK_ATTENTION.select(q, k, v, 0.3)[0].name == "bmm-fused"
-        impl, (fused, refusal) = ba.BLOCK_ATTENTION.select(q.float(), k.float(), v.float(), 0.3)
-        assert impl.name == "flash-cpu" and "float32" in refusal.reason and "--dtype bfloat16" in refusal.reason
-        assert fused.implementation == "bmm-fused" and "bfloat16" in fused.reason
+        refusal = ba.BLOCK_ATTENTION.select(q, k.float(), v, 0.3)[1][0]
+        assert refusal.implementation == "bmm-fused" and "one dtype" in refusal.reason
     with platform.override_capabilities(PLAIN_CPU):
         impl, refusals = ba.BLOCK_ATTENTION.select(q, k, v, 0.3)
         assert impl.name == "flash-cpu" and all("emulate" in r.reason for r in refusals)

@@ -104,3 +104,18 @@ def test_cuda_triton_store_matches_reference():
     kv_cache.store_kv_cache_reference(key, value, ref_k, ref_v, slots)
     kv_cache.store_kv_cache(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+@pytest.mark.parametrize("dtype,width", [(torch.float32, 576), (torch.bfloat16, 3), (torch.float8_e4m3fn, 6),
+                                         (torch.float8_e4m3fn, 3)])
+def test_the_reference_store_writes_every_bit_whatever_the_word_it_copies_by(dtype, width):
+    """Rows are copied as the widest integer word their bytes and offset allow (int64 for 576 floats, bytes for 3
+    fp8 values); a cache that starts one element into its storage still gets each row exactly where it belongs."""
+    base = torch.zeros(1 + 4 * 2 * width, dtype=dtype)
+    cache = base[1:].view(4, 2, width)  # offset by one element: narrower words line up, or bytes only
+    for cache in (cache, torch.zeros(4, 2, width, dtype=dtype)):
+        rows = torch.randn(3, width).to(dtype)
+        kv_cache.store_kv_cache_reference(rows, None, cache, None, torch.tensor([5, -1, 0]))
+        flat = cache.view(8, width).view(torch.uint8)
+        assert torch.equal(flat[5], rows[0].view(torch.uint8)) and torch.equal(flat[0], rows[2].view(torch.uint8))
+        assert int(flat[1:5].count_nonzero()) == 0 and int(flat[6:].count_nonzero()) == 0
