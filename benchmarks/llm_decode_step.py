@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_models import random_large_pipeline, random_prompts  # noqa: E402
 from table import print_table, run_footer, run_header  # noqa: E402
 
+from metainfer_gen import host_allocator  # noqa: E402
 from metainfer_gen.llm.layers.moe import MoE  # noqa: E402
 from metainfer_gen.llm.sequence import SamplingParams  # noqa: E402
 
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline", choices=("eager", "folded-experts"), default="eager",
                         help="the engine the compiled one is compared with (default eager)")
     args = parser.parse_args(argv)
+    if argv is None:  # under the host allocator `metainfer-gen serve` runs with (tcmalloc where installed)
+        host_allocator.reexec()
     batches = [int(b) for b in args.batches.split(",")]
     started = time.perf_counter()
     print(run_header())
