@@ -47,7 +47,7 @@ def prefill_activation_bytes(d: ModelDims, num_tokens: int, context: int, attn_t
     Args:
         attention: "blockwise" (the engine: the context in chunks of
             :func:`~metainfer_gen.llm.attention_chunks.key_chunk` rows, absorbed or expanded as the engine picks;
-            the CPU's fused kernel pads q, k and v to one head width), "fused" (flash-style GPU kernels over the
+            a block of 128 queries' scores at a time), "fused" (flash-style GPU kernels over the
             whole expanded context, scores never materialised, as vLLM's MLA prefill) or "materialised" (the
             engine's earlier path: three float32 score tensors of (heads, tokens, context) alive at once).
         act_bytes: bytes per activation value (2 for bf16, 4 for the CPU's float32).
@@ -72,13 +72,18 @@ def prefill_activation_bytes(d: ModelDims, num_tokens: int, context: int, attn_t
             attn += b * (2 * n * heads * (d.latent_row) + chunk * d.latent_row) + \
                 n * heads * chunk * (b + 12) + masked * chunk
         else:
-            # per chunk: latent rows and their expansion (k_nope, v) (keys [k_nope, k_pe] and the kernel's padded
-            # values come and go within it); per query the queries [q_nope, q_pe], their padded copy, the kernel's
-            # output and its slice (the diagonal uses the kernel's own causal mask); past one chunk the merge state.
-            # Coefficients checked against the engine's tracker on the test models (tests/llm/test_kv_sizing.py).
+            # per chunk: latent rows and their expansion (k_nope, v) (keys [k_nope, k_pe] come and go within it);
+            # per query the queries [q_nope, q_pe], their padded copy (bf16's flash kernel), the output and its
+            # slice; past one chunk the merge state; per block of 128 queries (block_attention's bmm paths) its
+            # scores: bf16 scores and float32 probabilities, or in float32 one tensor over at most the keys of one
+            # context range (the cached prefix or the new rows: mla_prefill._chunks) with MKL's copies of the block's
+            # queries and keys. Coefficients checked against the engine's tracker on the test models
+            # (tests/llm/test_kv_sizing.py, float32).
             attn += b * (chunk * (d.latent_row + heads * (d.qk_nope + d.v_head)) + 2 * n * heads * (dq + width)) \
-                + (4 * n * heads * (d.v_head + 1) if chunk < context else 0) \
-                + (heads * min(n, QUERY_BLOCK) * chunk * (4 + b) if b < 4 else 0)  # bf16: scores, probabilities
+                + (4 * n * heads * (d.v_head + 1) if chunk < context else 0)
+            rows, keys = min(n, QUERY_BLOCK), min(chunk, max(context - n, n))
+            attn += heads * rows * chunk * (4 + b) if b < 4 else \
+                b * heads * (rows * (keys + dq + d.v_head) + keys * dq)
     else:
         attn += b * context * (d.latent_row + heads * (2 * d.qk_nope + d.v_head))
         if attention == "materialised":

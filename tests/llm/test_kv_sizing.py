@@ -43,10 +43,10 @@ def test_planner_predicts_measured_memory_within_10_percent(moe_checkpoint, prob
     assert s.num_blocks == num_blocks
     assert s.source == "measured" and s.profiled_tokens == 256 and s.profiled_context == 512 and not s.capped
     assert s.decode_seqs == 16 and s.activation_peak == max(s.prefill_peak, s.decode_peak)
-    # The worst step is not the first chunk: the last chunk of the same 256 tokens reads twice the context, and 16
-    # decodes at 512 tokens peak higher still (profiling the first chunk alone, as before, undersized by 1.7x).
+    # The worst prefill step is not the first chunk: the last chunk of the same 256 tokens reads twice the context
+    # (profiling the first chunk alone, as the engine once did, undersizes; 16 decodes at 512 tokens come close).
     first_chunk = measure_prefill_peak(engine.model, 256, 16, torch.float32, torch.device("cpu"))
-    assert s.prefill_peak > 1.1 * first_chunk and s.activation_peak > 1.5 * first_chunk, (s, first_chunk)
+    assert s.prefill_peak > 1.1 * first_chunk and s.decode_peak > first_chunk, (s, first_chunk)
     dims = ModelDims.from_config(hf.config.to_dict())
     predicted = worst_step_activation_bytes(dims, 256, 16, 512, 1, 1, act_bytes=4)
     for step in ("prefill", "decode"):
@@ -84,7 +84,8 @@ def test_request_that_can_never_fit_is_refused_with_numbers(moe_checkpoint, prob
     text = str(err.value)
     assert f"needs {capacity + 6} tokens" in text and f"holds {capacity}" in text
     assert "MiB budget" in text and "measured peak" in text and "bytes/token" in text
-    assert f"measured peak {probe.decode_peak / MIB:.1f} MiB (decode of 16 x 512 tokens)" in text  # the worst step
+    worst = "256-token prefill at 512 tokens" if probe.prefill_peak >= probe.decode_peak else "decode of 16 x 512 tokens"
+    assert f"measured peak {probe.activation_peak / MIB:.1f} MiB ({worst})" in text  # the worst step
     with pytest.raises(ValueError, match="no memory left for the KV cache"):
         _engine(path, memory_budget_gib=(probe.weights + probe.activation_peak) / 2**30)
 
