@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
-import shutil
 
 import pytest
 import torch
 
 from metainfer_gen.apps import doctor
 from metainfer_gen.apps.cli import main
+from tests.kernels.conftest import has_cpp_compiler
 
 OPS = ("rms_norm", "fused_add_rms_norm", "rope", "adaln_modulate", "gated_residual", "store_kv_cache",
        "fp8_act_quant", "fp8_weight_dequant", "fp8_block_gemm", "indexer_topk", "sparse_mla", "paged_mla_decode",
@@ -45,7 +44,7 @@ def test_doctor_prints_machine_versions_and_every_op(capsys):
         assert "refused triton: CPU-only machine" in out
         assert "rms_norm             runs compiled" in out  # example inputs are large enough to compile
         assert "store_kv_cache       runs torch" in out
-        compiler = shutil.which(os.environ.get("CXX", "c++")) is not None
+        compiler = has_cpp_compiler()
         # The C++ kernels build with the machine's compiler; without one the torch paths run, paths not taken.
         assert f"moe_experts          runs {'cpp' if compiler else 'grouped'}" in out
         assert f"block_attention      runs {'bmm-fused' if compiler else 'bmm-blocks'}" in out

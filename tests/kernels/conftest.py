@@ -39,13 +39,18 @@ def _no_strict_env(monkeypatch):
     monkeypatch.delenv("METAINFER_STRICT_FAST_PATH", raising=False)
 
 
-def require_cpu_kernel(warm_up) -> None:
-    """Skip without a C++ compiler (the torch paths run there); else build the kernel through ``warm_up`` (a
-    ``kernels.*_cpu.warm_up``) and fail with its refusal if it does not build."""
+def has_cpp_compiler() -> bool:
+    """Whether the C++ CPU kernels can build here: ``$CXX`` (default ``c++``) is on PATH."""
     import os
     import shutil
 
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
+def require_cpu_kernel(warm_up) -> None:
+    """Skip without a C++ compiler (the torch paths run there); else build the kernel through ``warm_up`` (a
+    ``kernels.*_cpu.warm_up``) and fail with its refusal if it does not build."""
+    if not has_cpp_compiler():
         pytest.skip("no C++ compiler (apt-get install g++; .ci/run installs it): the torch paths run")
     reason = warm_up()
     assert reason is None, reason
