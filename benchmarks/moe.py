@@ -3,14 +3,16 @@
     OMP_NUM_THREADS=1 python benchmarks/moe.py                # embedded-LLM and random-large MoE shapes
     OMP_NUM_THREADS=1 python benchmarks/moe.py --quick        # fewer token counts and repeats
     OMP_NUM_THREADS=2 python benchmarks/moe.py --shapes random-large --layers 8   # weights from memory
+    OMP_NUM_THREADS=2 python benchmarks/moe.py --shapes random-large --layers 8 --dtype bfloat16
 
 For each shape and token count T (decode steps of T sequences, prefill chunks), the whole layer (router, routed
 experts, shared experts) is timed with the routed experts run by the old loop over the expert modules and by the
 grouped path (:func:`metainfer_gen.kernels.moe_experts`: one sort, then a padded ``bmm`` or GEMMs per expert run);
-then the routed experts alone: reference, grouped (and which grouped path ran) and the C++ float32 kernel
+then the routed experts alone: reference, grouped (and which grouped path ran) and the C++ kernel
 (:mod:`metainfer_gen.kernels.moe_cpu`, "refused" where it does not apply). Old and new alternate within each repeat and
 the median is reported, so load on a shared machine hits both; the load average is printed with the table. The max
-abs difference between the two outputs is printed (float32: both compute the same sum).
+abs difference between the old and new layer is printed (float32: both compute the same sum), and the grouped and C++
+experts' largest difference from the reference computed in float32 on the same (``--dtype``) inputs.
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ SHAPES = {
 }
 
 
-def make_layer(shape: dict, seed: int = 0) -> MoE:
+def make_layer(shape: dict, seed: int = 0, dtype: torch.dtype = torch.float32) -> MoE:
     torch.manual_seed(seed)
-    layer = MoE(SimpleNamespace(norm_topk_prob=True, routed_scaling_factor=2.5, **shape))
+    layer = MoE(SimpleNamespace(norm_topk_prob=True, routed_scaling_factor=2.5, **shape)).to(dtype)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, shape["hidden_size"] ** -0.5)
@@ -72,17 +74,20 @@ def paired_median(fns: list, repeats: int, inner: int) -> list[float]:
 
 
 def _max_diff(fn, x, weights, ids, stack) -> float:
-    """Largest absolute difference of ``fn``'s routed-expert output from the reference loop's."""
-    return (fn(x, weights, ids, *stack) - moe.moe_experts_reference(x, weights, ids, *stack)).abs().max().item()
+    """Largest absolute difference of ``fn``'s routed-expert output from the reference loop's in float32 on the
+    same inputs."""
+    exact = moe.moe_experts_reference(x.float(), weights, ids, *(w.float() for w in stack))
+    return (fn(x, weights, ids, *stack).float() - exact).abs().max().item()
 
 
-def rows_for(name: str, shape: dict, tokens: list[int], repeats: int, num_layers: int) -> list[list[str]]:
+def rows_for(name: str, shape: dict, tokens: list[int], repeats: int, num_layers: int,
+             dtype: torch.dtype = torch.float32) -> list[list[str]]:
     """One row per token count; every timed call runs ``num_layers`` layers of distinct weights, one after another
     (reported per layer), so with enough layers each call reads its weights from memory, as a decode step does."""
-    layers = [make_layer(shape, seed) for seed in range(num_layers)]
+    layers = [make_layer(shape, seed, dtype) for seed in range(num_layers)]
     rows = []
     for t in tokens:
-        x = torch.randn(t, shape["hidden_size"])
+        x = torch.randn(t, shape["hidden_size"]).to(dtype)
         with torch.inference_mode():
             routes = [layer.gate(x) for layer in layers]
             stacks = [layer._stacked for layer in layers]
@@ -101,6 +106,7 @@ def rows_for(name: str, shape: dict, tokens: list[int], repeats: int, num_layers
             old, new, ref, grouped = times[:4]
             weights, ids = routes[0]
             err = (old_forward(layers[0], x) - layers[0](x)).abs().max().item()
+            grouped_err = _max_diff(moe.moe_experts_grouped, x, weights, ids, stacks[0])
             cpp_err = "-" if cpp_refusal else f"{_max_diff(moe_cpu.moe_experts_cpp, x, weights, ids, stacks[0]):.1e}"
             counts = torch.bincount(ids.flatten(), minlength=stacks[0][0].shape[0])
         pairs = t * ids.shape[1]
@@ -110,7 +116,7 @@ def rows_for(name: str, shape: dict, tokens: list[int], repeats: int, num_layers
         rows.append([name, str(t), f"{old * 1e6:,.0f}", f"{new * 1e6:,.0f}", f"{old / new:.2f}x",
                      f"{ref * 1e6:,.0f}", f"{grouped * 1e6:,.0f}", f"{ref / grouped:.2f}x", path, cpp,
                      "-" if cpp_refusal else f"{grouped / times[4]:.2f}x", str(int((counts == 0).sum())),
-                     f"{err:.1e}", cpp_err])
+                     f"{err:.1e}", f"{grouped_err:.1e}", cpp_err])
     return rows
 
 
@@ -122,20 +128,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=1,
                         help="layers of distinct weights per timed call (8 random-large layers, 113 MB, outgrow a "
                              "32 MB L3: weights from memory, as in a decode step)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and tokens")
     args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
     tokens = [16, 256] if args.quick else [1, 16, 64, 256, 2048]
     repeats = 11 if args.quick else args.repeats
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     rows = []
     for name in args.shapes.split(","):
-        rows += rows_for(name, SHAPES[name], tokens, repeats, args.layers)
+        rows += rows_for(name, SHAPES[name], tokens, repeats, args.layers, dtype)
     print(run_header())
-    print(f"threads={torch.get_num_threads()}, float32, {args.layers} layer(s) a call, load average before: {load}, "
+    print(f"threads={torch.get_num_threads()}, {args.dtype}, {args.layers} layer(s) a call, load average before: {load}, "
           "after: "
           + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
     print_table(["shape", "T", "layer old us", "layer new us", "layer speedup", "experts ref us",
                  "experts grouped us", "experts speedup", "grouped path", "experts cpp us", "cpp vs grouped",
-                 "idle experts", "max abs diff", "cpp max abs diff"], rows)
+                 "idle experts", "max abs diff", "grouped max abs diff", "cpp max abs diff"], rows)
 
 
 if __name__ == "__main__":

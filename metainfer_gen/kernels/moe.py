@@ -25,8 +25,9 @@ Thresholds from this project's 2-core CPU (float32, one thread, load 2.5): padde
 192 it tied up to 256 pairs and lost 1.2x at 1,024. A GPU, where each expert's run costs kernel launches, would
 favour the padded batch further; the thresholds are not tuned there.
 
-``cpp`` (CPU, float32, decode-sized batches; :mod:`metainfer_gen.kernels.moe_cpu`) runs before ``grouped``: the same
-sort in C++, then every active expert's weights streamed once through register tiles, with no BLAS call per expert.
+``cpp`` (CPU, float32 or bf16 with AVX512-BF16, decode-sized batches; :mod:`metainfer_gen.kernels.moe_cpu`) runs
+before ``grouped``: the same sort in C++, then every active expert's weights streamed once through register tiles,
+with no BLAS call per expert.
 
 ``torch`` (the reference, always applicable): the engine's earlier loop, one gather, three linears and one
 ``index_add_`` per expert that received tokens. :func:`moe_experts_loop` is that loop over any per-expert callables
@@ -157,7 +158,7 @@ def _example(device: str, dtype: torch.dtype):
 
 MOE_EXPERTS = register_op(Op("moe_experts", "routed MoE experts: sort by expert, grouped GEMMs", _example))
 MOE_EXPERTS.register("cpp", moe_experts_cpp, moe_experts_cpp_supports, devices=("cpu",),
-                     description="C++ float32: per expert, token-row x weight-row register tiles over the stacks")
+                     description="C++ fp32 / bf16 (vdpbf16ps): per expert, token x weight-row register tiles")
 MOE_EXPERTS.register("grouped", moe_experts_grouped,
                      description="one argsort + bincount, padded bmm or GEMMs per contiguous run")
 MOE_EXPERTS.register("torch", moe_experts_reference, description="eager loop, three linears per expert")

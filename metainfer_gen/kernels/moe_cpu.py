@@ -1,4 +1,4 @@
-"""The CPU's routed MoE experts in C++ (``csrc/moe_experts.cpp``) for decode-sized batches, float32.
+"""The CPU's routed MoE experts in C++ (``csrc/moe_experts.cpp``) for decode-sized batches, float32 or bf16.
 
 A counting sort groups each local expert's (token, slot) pairs; then, per expert and block of 32 weight rows, a
 register tile of token rows x weight rows accumulates dot products over the hidden dimension, reading the stacked
@@ -7,8 +7,8 @@ once per call however few tokens it got, and both threads of torch's pool take (
 counter. The per-expert BLAS calls of the ``grouped`` path pay packing and threading for a handful of rows, and a
 compiled decode graph's every-expert GEMMs read and multiply all experts for every token.
 
-Where it applies: CPU tensors, float32 (bf16 runs oneDNN's GEMMs, which use the matrix units where the CPU has
-them), hidden and expert widths multiples of 16, and at most :data:`CPP_MAX_PAIRS_PER_EXPERT` pairs per local
+Where it applies: CPU tensors; float32, or bf16 where the build targets AVX512-BF16 (``vdpbf16ps``: AVX512-BF16
+and AMX CPUs; elsewhere bf16 runs oneDNN's GEMMs); hidden and expert widths multiples of 16 (32 in bf16); at most :data:`CPP_MAX_PAIRS_PER_EXPERT` pairs per local
 expert on average: past that BLAS blocking wins (prefill chunks). Figures (``benchmarks/moe.py``) are in
 docs/kernels.md. Built once per machine by :mod:`metainfer_gen.kernels.cpu_build`; where the build is off or fails
 the registry refuses it with the reason.
@@ -21,34 +21,48 @@ import torch
 from metainfer_gen.kernels.common import dtype_refusal, first_refusal
 from metainfer_gen.kernels.cpu_build import ensure_built, load_built
 
-__all__ = ["CPP_MAX_PAIRS_PER_EXPERT", "KERNEL", "moe_experts_cpp", "moe_experts_cpp_supports",
+__all__ = ["CPP_BF16_IN_GRAPH_MAX_PAIRS_PER_EXPERT", "CPP_MAX_PAIRS_PER_EXPERT", "KERNEL", "moe_experts_cpp", "moe_experts_cpp_supports",
            "moe_weights_cpp_refusal", "warm_up", "within_pairs_limit"]
 
 KERNEL = "moe_experts"
 # On 2 Zen 3 cores (float32, 16 experts of width 192, hidden 384, top-4, weights in cache) the kernel ran 4.7-7.6x
 # the grouped path at 1-4 tokens, 2.5x at 16, 1.6x at 64, 1.1x at 256 (64 pairs an expert) and 0.44x at 2,048 (512).
 CPP_MAX_PAIRS_PER_EXPERT = 64
+# In a compiled bf16 decode step the alternative is not the grouped path but oneDNN's every-expert GEMMs folded into
+# the graph: they read the same weights at a higher rate and their extra multiplies are cheap at decode widths. On
+# 2 Zen 4 cores (AVX512-BF16, random-large, benchmarks/llm_decode_step.py --baseline folded-experts) the kernel's
+# step was 1.15x the folded one at batch 1 (0.25 pairs an expert), 0.87x at 16 (4) and 1.00x at 64 (16).
+CPP_BF16_IN_GRAPH_MAX_PAIRS_PER_EXPERT = 1
 
 
 def moe_weights_cpp_refusal(w13: torch.Tensor, w2: torch.Tensor) -> str | None:
-    """None when the C++ kernel can run over these expert stacks (CPU, float32, contiguous, widths multiples of 16,
-    the kernel built: building it on the first call on this machine), else why not. Depends on the weights only,
-    so a layer can ask once, outside a traced graph."""
+    """None when the C++ kernel can run over these expert stacks (CPU, float32 or bf16 with AVX512-BF16 in the
+    build, contiguous, widths multiples of 16 (32 in bf16), the kernel built: building it on the first call on this
+    machine), else why not. Depends on the weights only, so a layer can ask once, outside a traced graph."""
     if w13.device.type != "cpu" or w2.device.type != "cpu":
         return f"expert weights on {w13.device}; the C++ kernel takes CPU tensors"
+    width = 32 if w13.dtype == torch.bfloat16 else 16
     reason = first_refusal(
-        dtype_refusal("expert weights", w13, (torch.float32,)),
+        dtype_refusal("expert weights", w13, (torch.float32, torch.bfloat16)),
         None if w2.dtype == w13.dtype else f"w2 dtype {w2.dtype} differs from w13's {w13.dtype}",
         None if w13.is_contiguous() and w2.is_contiguous() else "expert weights are not contiguous stacks",
-        None if w13.shape[2] % 16 == 0 and w2.shape[2] % 16 == 0 else
-        f"hidden {w13.shape[2]} and expert width {w2.shape[2]} must be multiples of 16",
+        None if w13.shape[2] % width == 0 and w2.shape[2] % width == 0 else
+        f"hidden {w13.shape[2]} and expert width {w2.shape[2]} must be multiples of {width} in {w13.dtype}",
     )
-    return reason or load_built(KERNEL)[1]
+    if reason:
+        return reason
+    module, reason = load_built(KERNEL)
+    if reason is None and w13.dtype == torch.bfloat16 and not module.avx512_bf16:
+        return ("bf16 experts need AVX512-BF16 (vdpbf16ps) in the build, which this CPU lacks; oneDNN's bf16 "
+                "GEMMs run them")
+    return reason
 
 
-def within_pairs_limit(num_pairs: int, num_local: int) -> bool:
-    """Whether ``num_pairs`` (token, slot) pairs over ``num_local`` experts are few enough for the kernel."""
-    return num_pairs <= CPP_MAX_PAIRS_PER_EXPERT * num_local
+def within_pairs_limit(num_pairs: int, num_local: int, in_graph_dtype: torch.dtype | None = None) -> bool:
+    """Whether ``num_pairs`` (token, slot) pairs over ``num_local`` experts are few enough for the kernel; with
+    ``in_graph_dtype`` bf16, few enough to beat a compiled step's folded every-expert GEMMs."""
+    limit = CPP_BF16_IN_GRAPH_MAX_PAIRS_PER_EXPERT if in_graph_dtype == torch.bfloat16 else CPP_MAX_PAIRS_PER_EXPERT
+    return num_pairs <= limit * num_local
 
 
 def moe_experts_cpp_supports(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
@@ -71,8 +85,8 @@ def moe_experts_cpp_supports(x: torch.Tensor, weights: torch.Tensor, ids: torch.
 
 def moe_experts_cpp(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     first_expert: int = 0) -> torch.Tensor:
-    """Same arguments and result as :func:`metainfer_gen.kernels.moe_experts` ((T, H) float32); pairs are summed
-    per token in ascending expert order, as the reference does. Raises RuntimeError where the kernel is not built
+    """Same arguments and result as :func:`metainfer_gen.kernels.moe_experts` ((T, H) in x's dtype, float32 or
+    bf16); pairs are summed per token in float32 in ascending expert order, as the reference orders them. Raises RuntimeError where the kernel is not built
     or the tensors break its contract (dtype, contiguity, widths)."""
     return ensure_built(KERNEL).moe_experts(x.contiguous(), weights.contiguous(), ids.contiguous(), w13, w2,
                                             int(first_expert))

@@ -98,7 +98,7 @@ def test_dispatch_runs_grouped_and_audits_it():
     (entry,) = [e for e in report.entries if e.op == "moe_experts"]
     assert (entry.path, entry.site) == ("grouped", "test.moe")
     assert [(r.implementation, r.reason) for r in entry.refusals] == [
-        ("cpp", "hidden 48 and expert width 40 must be multiples of 16")]
+        ("cpp", "hidden 48 and expert width 40 must be multiples of 16 in torch.float32")]
     assert moe.MOE_EXPERTS.names == ["cpp", "grouped", "torch"]
     torch.testing.assert_close(out, moe.moe_experts_reference(x, weights, ids, w13, w2), atol=1e-5, rtol=1e-5)
 

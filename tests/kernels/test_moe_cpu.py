@@ -1,6 +1,8 @@
-"""The C++ CPU routed experts (float32) against the per-expert reference loop: decode-sized batches, empty experts,
-another rank's expert range, tokens with no local expert, the refusals (dtype, widths, batch size), the registry's
-choice and a MoE layer whose compiled decode step calls it. Tolerance: atol = rtol = 1e-5 (float32)."""
+"""The C++ CPU routed experts against the per-expert reference loop: decode-sized batches, empty experts, another
+rank's expert range, tokens with no local expert, the refusals (dtype, widths, batch size), the registry's choice and
+a MoE layer whose compiled decode step calls it. Tolerance: atol = rtol = 1e-5 in float32. bf16 (where the build has
+AVX512-BF16) against the float32 reference on the same bf16 inputs: within bf16's rounding and no further from it
+than torch's own bf16 path."""
 
 from __future__ import annotations
 
@@ -23,15 +25,41 @@ def built():
 
 
 def _case(tokens: int, experts: int, top_k: int, skip: tuple[int, ...] = (), seed: int = 0,
-          dtype: torch.dtype = torch.float32):
+          dtype: torch.dtype = torch.float32, width: int = WIDTH):
     g = torch.Generator().manual_seed(seed)
     allowed = torch.tensor([e for e in range(experts) if e not in skip])
     ids = allowed[torch.rand(tokens, len(allowed), generator=g).argsort(-1)[:, :top_k]]
     weights = torch.rand(tokens, top_k, generator=g) + 0.1
     x = torch.randn(tokens, HIDDEN, generator=g)
-    w13 = torch.randn(experts, 2 * WIDTH, HIDDEN, generator=g) / HIDDEN ** 0.5
-    w2 = torch.randn(experts, HIDDEN, WIDTH, generator=g) / WIDTH ** 0.5
+    w13 = torch.randn(experts, 2 * width, HIDDEN, generator=g) / HIDDEN ** 0.5
+    w2 = torch.randn(experts, HIDDEN, width, generator=g) / width ** 0.5
     return x.to(dtype), weights, ids, w13.to(dtype), w2.to(dtype)
+
+
+def _bf16_built() -> bool:
+    return bool(moe_cpu.ensure_built(moe_cpu.KERNEL).avx512_bf16)
+
+
+BF16_WIDTH = 96  # a multiple of 32: bf16 pairs
+
+
+@pytest.mark.parametrize("case", [
+    dict(tokens=1, experts=16, top_k=4),
+    dict(tokens=3, experts=8, top_k=2),
+    dict(tokens=16, experts=16, top_k=4, skip=(2, 9)),
+    dict(tokens=37, experts=5, top_k=3),
+])
+def test_bf16_matches_reference_within_bf16_rounding(case):
+    if not _bf16_built():
+        pytest.skip("this CPU has no AVX512-BF16: the bf16 experts are not built (the refusal test covers it)")
+    for seed in range(2):
+        x, weights, ids, w13, w2 = _case(**case, seed=seed, dtype=torch.bfloat16, width=BF16_WIDTH)
+        exact = moe.moe_experts_reference(x.float(), weights, ids, w13.float(), w2.float())
+        got = moe_cpu.moe_experts_cpp(x, weights, ids, w13, w2)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), exact, atol=2e-2, rtol=2e-2)
+        torch_bf16 = moe.moe_experts_reference(x, weights, ids, w13, w2).float()
+        assert (got.float() - exact).abs().mean() <= (torch_bf16 - exact).abs().mean()
 
 
 @pytest.mark.parametrize("case", [
@@ -89,9 +117,14 @@ def test_registry_picks_it_for_decode_batches_and_says_why_not_elsewhere():
     refusal = moe_cpu.moe_experts_cpp_supports
     big = _case(moe_cpu.CPP_MAX_PAIRS_PER_EXPERT * 8 // 2 + 1, 8, 2)  # one pair past the limit
     assert "above 64 an expert, BLAS GEMMs win" in refusal(*big)
-    assert refusal(*_case(4, 8, 2, dtype=torch.bfloat16)) == "expert weights dtype bfloat16 not in (float32)"
-    x, weights, ids, w13, w2 = _case(4, 8, 2)
-    assert refusal(x, weights, ids, w13.to(torch.bfloat16), w2) == "x dtype float32 not in (bfloat16)"
+    assert refusal(*_case(4, 8, 2, dtype=torch.bfloat16)) == \
+        "hidden 64 and expert width 48 must be multiples of 32 in torch.bfloat16"
+    bf16 = refusal(*_case(4, 8, 2, dtype=torch.bfloat16, width=BF16_WIDTH))
+    assert bf16 is None if _bf16_built() else "need AVX512-BF16 (vdpbf16ps)" in bf16
+    assert refusal(*_case(4, 8, 2, dtype=torch.float16)) == "expert weights dtype float16 not in (float32, bfloat16)"
+    x, weights, ids, w13, w2 = _case(4, 8, 2, width=BF16_WIDTH)
+    assert refusal(x, weights, ids, w13.to(torch.bfloat16), w2.to(torch.bfloat16)) == \
+        "x dtype float32 not in (bfloat16)"
     assert "not contiguous" in refusal(x, weights, ids, w13.transpose(1, 2).contiguous().transpose(1, 2), w2)
 
 
@@ -99,13 +132,16 @@ def test_bad_input_is_an_error_not_a_crash():
     x, weights, ids, w13, w2 = _case(4, 8, 2)
     with pytest.raises(RuntimeError, match="float32"):
         moe_cpu.moe_experts_cpp(x.double(), weights, ids, w13, w2)
+    with pytest.raises(RuntimeError, match="float32"):  # mixed dtypes
+        moe_cpu.moe_experts_cpp(x.to(torch.bfloat16), weights, ids, w13, w2)
     with pytest.raises(RuntimeError, match="multiples of"):
         moe_cpu.moe_experts_cpp(x[:, :36], weights, ids, w13[..., :36].contiguous(), w2[:, :36].contiguous())
 
 
 def test_a_compiled_layer_calls_it_instead_of_every_expert():
     """The MoE layer's trace choice: the C++ experts as one opaque op (not the folded every-expert GEMMs) for
-    float32 stacks, and the folded path again where the stack refuses (bf16); both equal the eager layer."""
+    float32 stacks, and for bf16 stacks where the build has AVX512-BF16; the folded path again where the stack
+    refuses (bf16 widths not multiples of 32); each equals the eager layer."""
     torch.manual_seed(0)
     config = SimpleNamespace(hidden_size=HIDDEN, moe_intermediate_size=WIDTH, n_routed_experts=8,
                              num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
@@ -132,5 +168,8 @@ def test_a_compiled_layer_calls_it_instead_of_every_expert():
     assert "metainfer.moe_experts.default" in targets or "metainfer.moe_experts" in targets, targets
     bf16 = MoE(config).to(torch.bfloat16)
     bf16.pack_experts()
-    assert bf16._cpp_refusal == "expert weights dtype bfloat16 not in (float32)"
+    assert bf16._cpp_refusal == "hidden 64 and expert width 48 must be multiples of 32 in torch.bfloat16"
     assert not bf16._cpp_in_graph(x.to(torch.bfloat16), torch.zeros(4, 2, dtype=torch.long))
+    wide = MoE(SimpleNamespace(**{**vars(config), "moe_intermediate_size": BF16_WIDTH})).to(torch.bfloat16).eval()
+    wide.pack_experts()
+    assert wide._cpp_in_graph(x.to(torch.bfloat16), torch.zeros(4, 2, dtype=torch.long)) == _bf16_built()

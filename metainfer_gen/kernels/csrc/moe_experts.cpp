@@ -1,4 +1,5 @@
-// Routed MoE experts on the CPU in float32: every expert's tokens in one pass over its weights, read where they lie.
+// Routed MoE experts on the CPU, float32 or bf16: every expert's tokens in one pass over its weights, read where
+// they lie.
 //
 //   out[t] = sum over slots j with e = ids[t, j] held here of  weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))
 //
@@ -12,7 +13,10 @@
 // gate/up rows -> silu(gate) * up; down rows scaled by the routing weight, per pair; each token's pairs summed in
 // ascending expert order (the reference's order).
 //
-// Vectors are vec16.h's (one register: 8 floats on AVX2, 16 on AVX-512); GCC contracts a * b + c into FMA.
+// float32: vec16.h's vectors (one register: 8 floats on AVX2, 16 on AVX-512); GCC contracts a * b + c into FMA.
+// bf16 (built only where the target has AVX512-BF16): vdpbf16ps sums 32 bf16 products into 16 float32 lanes; the
+// gate/up results, silu and the routed sum stay float32, silu(gate) * up is rounded to bf16 once (the down
+// projection's input, as the reference's bf16 GEMM takes it) and the output once.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -22,6 +26,10 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "vec16.h"
 
@@ -61,8 +69,35 @@ inline void dot_tile(const float* const* xs, const float* w, int64_t ldw, int64_
     for (int c = 0; c < C; ++c) out[r * ldo + c] = tree_sum(acc[r][c]);
 }
 
-template <int R>
-void dot_rows(const float* const* xs, const float* w, int64_t ldw, int64_t K, int64_t cols, float* out, int64_t ldo) {
+#if defined(__AVX512BF16__)
+constexpr bool kBf16 = true;
+// The same tile over bf16 operands, K a multiple of 32: one vdpbf16ps per 32 columns, a token row and a weight row.
+template <int R, int C>
+inline void dot_tile(const at::BFloat16* const* xs, const at::BFloat16* w, int64_t ldw, int64_t K, float* out,
+                     int64_t ldo) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh wv[C];
+    for (int c = 0; c < C; ++c) {
+      __builtin_prefetch(w + (c + C) * ldw + k, 0, 0);
+      wv[c] = (__m512bh)_mm512_loadu_si512(w + c * ldw + k);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xs[r] + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * ldo + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+#else
+constexpr bool kBf16 = false;
+#endif
+
+template <int R, typename T>
+void dot_rows(const T* const* xs, const T* w, int64_t ldw, int64_t K, int64_t cols, float* out, int64_t ldo) {
   int64_t c = 0;
   if (R == 1)
     for (; c + kColsOne <= cols; c += kColsOne) dot_tile<1, kColsOne>(xs, w + c * ldw, ldw, K, out + c, ldo);
@@ -71,7 +106,8 @@ void dot_rows(const float* const* xs, const float* w, int64_t ldw, int64_t K, in
 }
 
 // out[i * ldo + c] = rows[i] . w[c] for n token rows (pointers) and `cols` weight rows.
-void dot_block(const float* const* rows, int64_t n, const float* w, int64_t ldw, int64_t K, int64_t cols, float* out,
+template <typename T>
+void dot_block(const T* const* rows, int64_t n, const T* w, int64_t ldw, int64_t K, int64_t cols, float* out,
                int64_t ldo) {
   int64_t i = 0;
   for (; i + kRows <= n; i += kRows) dot_rows<kRows>(rows + i, w, ldw, K, cols, out + i * ldo, ldo);
@@ -115,18 +151,12 @@ void run_items(int64_t num_items, F&& fn) {
   });
 }
 
-at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids, const at::Tensor& w13,
-                       const at::Tensor& w2, int64_t first_expert) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w13.scalar_type() == at::kFloat && w2.scalar_type() == at::kFloat &&
-                  weights.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong,
-              "moe_experts (C++): float32 x, w13, w2, weights and int64 ids");
-  TORCH_CHECK(x.is_contiguous() && w13.is_contiguous() && w2.is_contiguous() && weights.is_contiguous() &&
-                  ids.is_contiguous(), "moe_experts (C++): contiguous tensors");
+template <typename T>
+at::Tensor experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids, const at::Tensor& w13,
+                   const at::Tensor& w2, int64_t first_expert) {
   const int64_t tokens = x.size(0), hidden = x.size(1), slots = ids.size(1), num_local = w13.size(0);
   const int64_t inter = w2.size(2);
-  TORCH_CHECK(hidden % kLanes == 0 && inter % kLanes == 0, "moe_experts (C++): hidden and expert width must be "
-              "multiples of ", kLanes);
-  const float* xp = x.data_ptr<float>();
+  const T* xp = x.data_ptr<T>();
   const float* wp = weights.data_ptr<float>();
   const int64_t* ip = ids.data_ptr<int64_t>();
 
@@ -140,21 +170,21 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
   std::vector<int64_t> starts(num_local + 1, 0);
   for (int64_t e = 0; e < num_local; ++e) starts[e + 1] = starts[e] + counts[e];
   const int64_t pairs = starts[num_local];
-  at::Tensor out = at::zeros_like(x);
-  if (pairs == 0) return out;
+  if (pairs == 0) return at::zeros_like(x);
   std::vector<int64_t> order(pairs), position(tokens * slots, -1), fill(starts.begin(), starts.end() - 1);
   for (int64_t p = 0; p < tokens * slots; ++p)
     if (local[p] >= 0) {
       position[p] = fill[local[p]];
       order[fill[local[p]]++] = p;
     }
-  std::vector<const float*> rows(pairs);
+  std::vector<const T*> rows(pairs);
   for (int64_t i = 0; i < pairs; ++i) rows[i] = xp + (order[i] / slots) * hidden;
 
-  // Pass 1: h = x @ w13[e].T for each expert's rows, then act = silu(gate) * up.
-  at::Tensor h = at::empty({pairs, 2 * inter}, x.options());
+  // Pass 1: h = x @ w13[e].T for each expert's rows (float32), then act = silu(gate) * up in x's dtype.
+  const auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor h = at::empty({pairs, 2 * inter}, f32);
   float* hp = h.data_ptr<float>();
-  const float* w13p = w13.data_ptr<float>();
+  const T* w13p = w13.data_ptr<T>();
   const auto items13 = work_items(counts, 2 * inter);
   run_items(items13.size(), [&](int64_t i) {
     const Item& it = items13[i];
@@ -163,7 +193,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
               hidden, it.rows, hp + s * 2 * inter + it.first_row, 2 * inter);
   });
   at::Tensor act = at::empty({pairs, inter}, x.options());
-  float* ap = act.data_ptr<float>();
+  T* ap = act.data_ptr<T>();
   at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       for (int64_t j = 0; j < inter; j += kLanes) {
@@ -172,12 +202,12 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
       }
   });
 
-  // Pass 2: y = (act @ w2[e].T) * weight, one row per pair.
-  std::vector<const float*> act_rows(pairs);
+  // Pass 2: y = (act @ w2[e].T) * weight, one float32 row per pair.
+  std::vector<const T*> act_rows(pairs);
   for (int64_t i = 0; i < pairs; ++i) act_rows[i] = ap + i * inter;
-  at::Tensor y = at::empty({pairs, hidden}, x.options());
+  at::Tensor y = at::empty({pairs, hidden}, f32);
   float* yp = y.data_ptr<float>();
-  const float* w2p = w2.data_ptr<float>();
+  const T* w2p = w2.data_ptr<T>();
   const auto items2 = work_items(counts, hidden);
   run_items(items2.size(), [&](int64_t i) {
     const Item& it = items2[i];
@@ -191,8 +221,9 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
     }
   });
 
-  // Pass 3: each token's pairs summed in ascending expert order.
-  float* op = out.data_ptr<float>();
+  // Pass 3: each token's pairs summed in ascending expert order, in float32, stored once in x's dtype.
+  at::Tensor out = at::empty_like(x);
+  T* op = out.data_ptr<T>();
   at::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> mine;
     for (int64_t t = begin; t < end; ++t) {
@@ -200,16 +231,38 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
       for (int64_t j = 0; j < slots; ++j)
         if (position[t * slots + j] >= 0) mine.push_back(position[t * slots + j]);
       std::sort(mine.begin(), mine.end());  // positions grow with the expert id
-      float* dst = op + t * hidden;
-      for (int64_t pos : mine)
-        for (int64_t c = 0; c < hidden; c += kLanes) store16(dst + c, load16(dst + c) + load16(yp + pos * hidden + c));
+      for (int64_t c = 0; c < hidden; c += kLanes) {
+        v16f sum = {};
+        for (int64_t pos : mine) sum += load16(yp + pos * hidden + c);
+        store16(op + t * hidden + c, sum);
+      }
     }
   });
   return out;
 }
 
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids, const at::Tensor& w13,
+                       const at::Tensor& w2, int64_t first_expert) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || (kBf16 && dtype == at::kBFloat16)) && w13.scalar_type() == dtype &&
+                  w2.scalar_type() == dtype && weights.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong,
+              "moe_experts (C++): x, w13 and w2 float32 (or bfloat16 where the build has AVX512-BF16), float32 "
+              "weights and int64 ids");
+  TORCH_CHECK(x.is_contiguous() && w13.is_contiguous() && w2.is_contiguous() && weights.is_contiguous() &&
+                  ids.is_contiguous(), "moe_experts (C++): contiguous tensors");
+  const int64_t width = dtype == at::kFloat ? kLanes : 32;
+  TORCH_CHECK(x.size(1) % width == 0 && w2.size(2) % width == 0, "moe_experts (C++): hidden and expert width must "
+              "be multiples of ", width);
+#if defined(__AVX512BF16__)
+  if (dtype == at::kBFloat16) return experts<at::BFloat16>(x, weights, ids, w13, w2, first_expert);
+#endif
+  return experts<float>(x, weights, ids, w13, w2, first_expert);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("moe_experts", &moe_experts, "routed MoE experts, float32, weights read in their stacked layout (CPU)");
+  m.def("moe_experts", &moe_experts, "routed MoE experts, weights read in their stacked layout (CPU)");
+  m.attr("lanes") = kLanes;               // floats per vector: one register of the build target (vec16.h)
+  m.attr("avx512_bf16") = pybind11::bool_(kBf16);  // whether bf16 tensors are taken (vdpbf16ps)
 }
