@@ -47,26 +47,39 @@ void score_rows(const T* q, int64_t dk, const T* rows, int64_t row_stride, int t
 }
 
 #if defined(__AVX512BF16__)
+// TT tokens' rows at once, so each query load serves TT rows (TT x NH accumulators).
+template <int NH, int TT>
+inline void score_tile(const at::BFloat16* q, int64_t dk, const at::BFloat16* rows, int64_t row_stride, int heads,
+                       int h0, float scale, float* scores) {
+  __m512 acc[TT][NH];
+  for (int t = 0; t < TT; ++t)
+    for (int h = 0; h < NH; ++h) acc[t][h] = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 2 * kLanes <= dk; d += 2 * kLanes) {  // 32 bf16 per load, pairs summed into 16 fp32 lanes
+    __m512bh k[TT];
+    for (int t = 0; t < TT; ++t) k[t] = (__m512bh)_mm512_loadu_si512(rows + t * row_stride + d);
+    for (int h = 0; h < NH; ++h) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + (h0 + h) * dk + d);
+      for (int t = 0; t < TT; ++t) acc[t][h] = _mm512_dpbf16_ps(acc[t][h], qv, k[t]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) {
+    float tail[NH] = {};
+    for (int64_t e = d; e < dk; e += kLanes) {  // a last 16 columns
+      v16f k = load16(rows + t * row_stride + e);
+      for (int h = 0; h < NH; ++h) tail[h] += hsum(load16(q + (h0 + h) * dk + e) * k);
+    }
+    for (int h = 0; h < NH; ++h) scores[t * heads + h0 + h] = (_mm512_reduce_add_ps(acc[t][h]) + tail[h]) * scale;
+  }
+}
+
 template <int NH>
 void score_rows(const at::BFloat16* q, int64_t dk, const at::BFloat16* rows, int64_t row_stride, int tokens,
                 int heads, int h0, float scale, float* scores) {
-  for (int t = 0; t < tokens; ++t) {
-    const at::BFloat16* row = rows + t * row_stride;
-    __m512 acc[NH];
-    for (int h = 0; h < NH; ++h) acc[h] = _mm512_setzero_ps();
-    int64_t d = 0;
-    for (; d + 2 * kLanes <= dk; d += 2 * kLanes) {  // 32 bf16 per load, pairs summed into 16 fp32 lanes
-      __m512bh k = (__m512bh)_mm512_loadu_si512(row + d);
-      for (int h = 0; h < NH; ++h)
-        acc[h] = _mm512_dpbf16_ps(acc[h], (__m512bh)_mm512_loadu_si512(q + (h0 + h) * dk + d), k);
-    }
-    float tail[NH] = {};
-    for (; d < dk; d += kLanes) {  // a last 16 columns
-      v16f k = load16(row + d);
-      for (int h = 0; h < NH; ++h) tail[h] += hsum(load16(q + (h0 + h) * dk + d) * k);
-    }
-    for (int h = 0; h < NH; ++h) scores[t * heads + h0 + h] = (_mm512_reduce_add_ps(acc[h]) + tail[h]) * scale;
-  }
+  int t = 0;
+  for (; t + 2 <= tokens; t += 2)
+    score_tile<NH, 2>(q, dk, rows + t * row_stride, row_stride, heads, h0, scale, scores + t * heads);
+  if (t < tokens) score_tile<NH, 1>(q, dk, rows + t * row_stride, row_stride, heads, h0, scale, scores + t * heads);
 }
 #endif
 
@@ -172,27 +185,39 @@ void run_piece(const Piece& p, const T* q, const T* kv, int64_t kv_rows, int64_t
     TORCH_CHECK(id >= 0 && id * block_size + tokens <= kv_rows, "paged_mla_decode: sequence ", p.seq, " block ",
                 blk, " is cache block ", id, ", outside the cache's ", kv_rows / block_size, " blocks");
     const T* rows = kv + id * block_size * row_stride;
+    if (blk + 1 < p.last_block) {  // the next block's rows towards L2 while this one is scored: blocks lie anywhere
+      const int64_t next = table[p.seq * table_width + blk + 1];
+      const int next_tokens = static_cast<int>(std::min(block_size, len - (blk + 1) * block_size));
+      if (next >= 0 && next * block_size + next_tokens <= kv_rows) {
+        const char* first = reinterpret_cast<const char*>(kv + next * block_size * row_stride);
+        const int64_t bytes = ((next_tokens - 1) * row_stride + dk) * static_cast<int64_t>(sizeof(T));
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(first + b, 0, 2);
+      }
+    }
     for_head_groups(heads, [&](auto nh, int h0) {
       score_rows<decltype(nh)::value>(qs, dk, rows, row_stride, tokens, heads, h0, scale, scores.data());
     });
     // online softmax: new running max and rescale factor per head, then the probabilities of the whole block
     // (tokens x heads scores) kLanes at a time through the vector exp, then the sums
+    // (loops over heads innermost: no chain of dependent max/add per head, no index division)
+    float* mx = shift.data() + block_size * heads;  // the block's new max per head, after the shift rows
+    std::copy(m, m + heads, mx);
+    for (int t = 0; t < tokens; ++t)
+      for (int h = 0; h < heads; ++h) mx[h] = std::max(mx[h], scores[t * heads + h]);
     for (int h = 0; h < heads; ++h) {
-      float mx = m[h];
-      for (int t = 0; t < tokens; ++t) mx = std::max(mx, scores[t * heads + h]);
-      alpha[h] = std::exp(m[h] - mx);  // exp(-inf) = 0 on the first block
-      m[h] = mx;
+      alpha[h] = std::exp(m[h] - mx[h]);  // exp(-inf) = 0 on the first block
+      m[h] = mx[h];
     }
     const int n = tokens * heads;
-    for (int i = 0; i < n; ++i) shift[i] = m[i % heads];
+    for (int t = 0; t < tokens; ++t) std::copy(m, m + heads, &shift[t * heads]);
     int i = 0;
     for (; i + kLanes <= n; i += kLanes) store16(&scores[i], exp16(load16(&scores[i]) - load16(&shift[i])));
     for (; i < n; ++i) scores[i] = std::exp(scores[i] - shift[i]);
-    for (int h = 0; h < heads; ++h) {
-      float sum = 0.f;
-      for (int t = 0; t < tokens; ++t) sum += scores[t * heads + h];
-      l[h] = l[h] * alpha[h] + sum;
-    }
+    float* sum = mx;  // reused: the block's sum per head
+    std::fill(sum, sum + heads, 0.f);
+    for (int t = 0; t < tokens; ++t)
+      for (int h = 0; h < heads; ++h) sum[h] += scores[t * heads + h];
+    for (int h = 0; h < heads; ++h) l[h] = l[h] * alpha[h] + sum[h];
     for_head_groups(heads, [&](auto nh, int h0) {
       accumulate_values<decltype(nh)::value>(scores.data(), rows, row_stride, tokens, heads, h0, r, alpha.data(),
                                              acc);
@@ -232,7 +257,7 @@ void decode(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor
   const int64_t* tp = tables.data_ptr<int64_t>();
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> scores(block_size * heads), shift(block_size * heads), alpha(heads);
+    std::vector<float> scores(block_size * heads), shift((block_size + 1) * heads), alpha(heads);
     for (int64_t i = next++; i < n; i = next++) {
       const int64_t k = order[i];
       const Piece& p = pieces[k];
