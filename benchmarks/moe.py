@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.shapes.split(","):
         rows += rows_for(name, SHAPES[name], tokens, repeats, args.layers, dtype)
     print(run_header())
-    print(f"threads={torch.get_num_threads()}, {args.dtype}, {args.layers} layer(s) a call, load average before: {load}, "
+    print(f"threads={torch.get_num_threads()}, {args.dtype}, {args.layers} layer(s) a call, "
+          f"load average before: {load}, "
           "after: "
           + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
     print_table(["shape", "T", "layer old us", "layer new us", "layer speedup", "experts ref us",

@@ -8,10 +8,10 @@ counter. The per-expert BLAS calls of the ``grouped`` path pay packing and threa
 compiled decode graph's every-expert GEMMs read and multiply all experts for every token.
 
 Where it applies: CPU tensors; float32, or bf16 where the build targets AVX512-BF16 (``vdpbf16ps``: AVX512-BF16
-and AMX CPUs; elsewhere bf16 runs oneDNN's GEMMs); hidden and expert widths multiples of 16 (32 in bf16); at most :data:`CPP_MAX_PAIRS_PER_EXPERT` pairs per local
-expert on average: past that BLAS blocking wins (prefill chunks). Figures (``benchmarks/moe.py``) are in
-docs/kernels.md. Built once per machine by :mod:`metainfer_gen.kernels.cpu_build`; where the build is off or fails
-the registry refuses it with the reason.
+and AMX CPUs; elsewhere bf16 runs oneDNN's GEMMs); hidden and expert widths multiples of 16 (32 in bf16); at most
+:data:`CPP_MAX_PAIRS_PER_EXPERT` pairs per local expert on average: past that BLAS blocking wins (prefill
+chunks). Figures (``benchmarks/moe.py``) are in docs/kernels_cpu.md. Built once per machine by
+:mod:`metainfer_gen.kernels.cpu_build`; where the build is off or fails the registry refuses it with the reason.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 from metainfer_gen.kernels.common import dtype_refusal, first_refusal
 from metainfer_gen.kernels.cpu_build import ensure_built, load_built
 
-__all__ = ["CPP_BF16_IN_GRAPH_MAX_PAIRS_PER_EXPERT", "CPP_MAX_PAIRS_PER_EXPERT", "KERNEL", "moe_experts_cpp", "moe_experts_cpp_supports",
-           "moe_weights_cpp_refusal", "warm_up", "within_pairs_limit"]
+__all__ = ["CPP_BF16_IN_GRAPH_MAX_PAIRS_PER_EXPERT", "CPP_MAX_PAIRS_PER_EXPERT", "KERNEL", "moe_experts_cpp",
+           "moe_experts_cpp_supports", "moe_weights_cpp_refusal", "warm_up", "within_pairs_limit"]
 
 KERNEL = "moe_experts"
 # On 2 Zen 3 cores (float32, 16 experts of width 192, hidden 384, top-4, weights in cache) the kernel ran 4.7-7.6x
@@ -86,8 +86,8 @@ def moe_experts_cpp_supports(x: torch.Tensor, weights: torch.Tensor, ids: torch.
 def moe_experts_cpp(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     first_expert: int = 0) -> torch.Tensor:
     """Same arguments and result as :func:`metainfer_gen.kernels.moe_experts` ((T, H) in x's dtype, float32 or
-    bf16); pairs are summed per token in float32 in ascending expert order, as the reference orders them. Raises RuntimeError where the kernel is not built
-    or the tensors break its contract (dtype, contiguity, widths)."""
+    bf16); pairs are summed per token in float32 in ascending expert order, as the reference orders them.
+    Raises RuntimeError where the kernel is not built or the tensors break its contract (dtype, contiguity, widths)."""
     return ensure_built(KERNEL).moe_experts(x.contiguous(), weights.contiguous(), ids.contiguous(), w13, w2,
                                             int(first_expert))
 
