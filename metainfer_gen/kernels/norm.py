@@ -1,4 +1,5 @@
-"""RMSNorm and fused residual-add + RMSNorm: Triton kernel, torch.compile'd CPU path, torch reference.
+"""RMSNorm and fused residual-add + RMSNorm: Triton kernel, C++ CPU kernel, torch.compile'd
+CPU path, torch reference.
 
     rms_norm(x)                   = x / sqrt(mean(x**2, -1) + eps) * weight
     fused_add_rms_norm(x, r)      = (rms_norm(s), s)   with s = x + r rounded to x.dtype
@@ -19,6 +20,8 @@ import torch
 from metainfer_gen.kernels.common import (CompiledPath, _sum_combine, contiguous_refusal, dtype_refusal,
                                           first_refusal, lazy_triton_kernel, row_bytes_refusal, triton_refusal)
 from metainfer_gen.kernels.launch import launch
+from metainfer_gen.kernels.norm_cpu import (fused_add_rms_norm_cpp, fused_add_rms_norm_cpp_supports, rms_norm_cpp,
+                                            rms_norm_cpp_supports)
 from metainfer_gen.kernels.registry import Op, register_op
 
 __all__ = ["fused_add_rms_norm", "fused_add_rms_norm_reference", "rms_norm", "rms_norm_reference"]
@@ -148,6 +151,8 @@ _fused_compiled = CompiledPath(fused_add_rms_norm_reference)
 RMS_NORM = register_op(Op("rms_norm", "RMSNorm over the last dimension", _example))
 RMS_NORM.register("triton", rms_norm_triton, _triton_supports, description="one program per row")
 RMS_NORM.register("compiled", _compiled, _compiled.refusal, description="torch.compile(reference), static shapes")
+RMS_NORM.register("cpp", rms_norm_cpp, rms_norm_cpp_supports, devices=("cpu",),
+                  description="C++ one pass per row, any row count (float32, bf16)")
 RMS_NORM.register("torch", rms_norm_reference, description="eager reference, float32 statistics")
 
 FUSED_ADD_RMS_NORM = register_op(Op("fused_add_rms_norm", "residual add then RMSNorm, one pass", _fused_example))
@@ -155,6 +160,8 @@ FUSED_ADD_RMS_NORM.register("triton", fused_add_rms_norm_triton, _fused_triton_s
                             description="one program per row, writes sum and norm")
 FUSED_ADD_RMS_NORM.register("compiled", _fused_compiled, _fused_compiled.refusal,
                             description="torch.compile(reference), static shapes")
+FUSED_ADD_RMS_NORM.register("cpp", fused_add_rms_norm_cpp, fused_add_rms_norm_cpp_supports, devices=("cpu",),
+                            description="C++ one pass per row, writes sum and norm (float32, bf16)")
 FUSED_ADD_RMS_NORM.register("torch", fused_add_rms_norm_reference, description="eager reference")
 
 

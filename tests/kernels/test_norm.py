@@ -72,8 +72,10 @@ def test_public_rms_norm_uses_torch_eps_default_and_checks_shapes(no_interpret):
         norm.fused_add_rms_norm(x, torch.randn(2, 31))
 
 
-def test_dispatch_takes_the_compiled_path_above_the_size_threshold_and_it_agrees(no_interpret):
+def test_dispatch_takes_the_compiled_path_above_the_size_threshold_and_it_agrees(no_interpret, monkeypatch):
     from metainfer_gen.kernels import audit
+
+    monkeypatch.setenv("METAINFER_CPU_KERNELS", "0")  # the C++ kernel, first where it builds, off
 
     x = torch.randn(1024, 1024)  # 2**20 elements: exactly the threshold
     w = torch.randn(1024)

@@ -11,8 +11,7 @@ Per chunk the queries split in two: those that see every key of the chunk (unmas
 CPU kernel) and the diagonal, which gets a causal mask. Two forms, picked per row by their multiply-adds, the
 absorbed ones weighted by the measured cost factor (:func:`~metainfer_gen.llm.attention_chunks.absorbed_is_cheaper`):
 
-- expanded: ``kv_b_proj`` turns each chunk's latents into per-head ``k_nope`` and ``v``; ordinary attention with
-  keys ``[k_nope, k_pe]`` (PyTorch's fused CPU flash kernel where it applies). The expansion costs
+- expanded: ``kv_b_proj`` turns each chunk's latents into per-head ``k_nope`` and ``v`` (built transposed); ordinary attention with keys ``[k_nope, k_pe]`` (PyTorch's fused CPU flash kernel where it applies). The expansion costs
   ``r x N x (dn + dv)`` per context row, paid once per chunk of queries, so it wins when n is large.
 - absorbed: queries ``[q_nope @ W_UK, q_pe]`` score the 576-wide latent rows directly and the output goes through
   W_UV (as decode does): ``N x (2r + dr)`` per (query, key) pair and no expansion, so it wins for short rows (a
@@ -84,15 +83,19 @@ def _mask(lo: int, hi: int, first: int, last: int, device) -> torch.Tensor:
 
 def _expanded(attn, q_nope, q_pe, cache_rows, slots, start, chunk) -> torch.Tensor:
     n, heads = q_nope.shape[:2]
-    dn, dr, dv = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim
+    dn, dr, dv, r = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim, attn.kv_lora_rank
+    weight = attn.kv_b_proj.weight  # (N (dn + dv), r): per head its dn key rows, then its dv value rows
     query = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # (N, n, dn + dr)
     state = None
     for first, last in _chunks(start, n, chunk):
-        rows = gather_rows(cache_rows, slots[first:last])[:, : attn.latent_size].to(q_nope.dtype)
-        c_kv, k_pe = rows.split([attn.kv_lora_rank, dr], dim=-1)
-        k_nope, v = attn.kv_b_proj(c_kv).view(-1, heads, dn + dv).split([dn, dv], dim=-1)  # (s, N, dn), (s, N, dv)
-        key = torch.cat([k_nope, k_pe[:, None].expand(-1, heads, -1)], dim=-1).transpose(0, 1)  # (N, s, dn + dr)
-        v = v.transpose(0, 1)
+        c_kv = gather_rows(cache_rows[:, :r], slots[first:last]).to(q_nope.dtype)  # (s, r) contiguous
+        k_pe = gather_rows(cache_rows[:, r:attn.latent_size], slots[first:last]).to(q_nope.dtype)  # (s, dr)
+        # Keys and values are built transposed, (N, dn + dv, s), by one GEMM against c_kv^T (a transposed operand
+        # oneDNN and MKL take as it is), so the blocks' bmm reads the keys, (N, dn + dr, s), without a transposing
+        # copy of (N, s, dn + dr) per chunk.
+        kv_t = torch.mm(weight, c_kv.t()).view(heads, dn + dv, -1)
+        key = torch.cat([kv_t[:, :dn], k_pe.t()[None].expand(heads, -1, -1)], dim=1).transpose(1, 2)
+        v = kv_t[:, dn:].transpose(1, 2)  # (N, s, dv)
         for lo, hi, causal in _parts(start, n, first, last):
             out, lse = block_attention(query[:, lo:hi], key, v, attn.softmax_scale, None, causal=causal)
             if state is None and (lo, hi, last) == (0, n, start + n):  # one chunk, one part: nothing to merge
