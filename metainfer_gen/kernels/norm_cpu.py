@@ -26,8 +26,9 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 def rms_norm_cpp_supports(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                           residual: torch.Tensor | None = None) -> str | None:
-    """None when the C++ kernel applies (CPU, float32 or bf16, weight and residual in x's dtype, contiguous, no
-    autograd, the kernel built), else why not."""
+    """None when the C++ kernel applies (CPU, float32 or bf16, weight and residual in x's dtype and contiguous, x
+    contiguous or a matrix of rows with unit column stride (a column slice such as MLA's ``c_kv``), no autograd,
+    the kernel built), else why not."""
     if x.device.type != "cpu":
         return f"x on {x.device}; the C++ kernel takes CPU tensors"
     others = [t for t in (weight, residual) if t is not None]
@@ -35,7 +36,8 @@ def rms_norm_cpp_supports(x: torch.Tensor, weight: torch.Tensor | None, eps: flo
         dtype_refusal("x", x, _DTYPES),
         next((f"{name} dtype {t.dtype} differs from x's {x.dtype}" for name, t in (("weight", weight),
               ("residual", residual)) if t is not None and t.dtype != x.dtype), None),
-        None if all(t.is_contiguous() for t in [x, *others]) else "x, weight or residual is not contiguous",
+        None if all(t.is_contiguous() for t in others) and (x.is_contiguous() or (x.ndim == 2 and x.stride(1) == 1))
+        else "x (beyond a row stride), weight or residual is not contiguous",
         None if not (torch.is_grad_enabled() and any(t.requires_grad for t in [x, *others])) else
         "a tensor requires grad; the kernel has no backward",
     ) or load_built(KERNEL)[1]
@@ -49,7 +51,7 @@ def fused_add_rms_norm_cpp_supports(x: torch.Tensor, residual: torch.Tensor, wei
 
 def rms_norm_cpp(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """(..., N) -> (..., N) in x.dtype; see :func:`metainfer_gen.kernels.rms_norm`."""
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
     return ensure_built(KERNEL).rms_norm(x2, weight, eps).view(x.shape)
 
 

@@ -26,6 +26,17 @@ def test_rms_norm_matches_reference(dtype, shape, with_weight):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_reads_a_column_slice_in_place(dtype):
+    rows = torch.randn(33, 576).to(dtype)
+    c_kv = rows[:, :512]  # MLA's latent half of kv_a_proj's output: rows 576 apart
+    w = torch.randn(512).to(dtype)
+    assert norm_cpu.rms_norm_cpp_supports(c_kv, w, 1e-6) is None
+    out = norm_cpu.rms_norm_cpp(c_kv, w, 1e-6)
+    assert out.is_contiguous()
+    assert_close(out, norm.rms_norm_reference(c_kv, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 384), (129, 200), (0, 32)])
 def test_fused_add_rms_norm_matches_reference_and_stores_the_rounded_sum(dtype, shape):
     x, r = (torch.randn(shape).to(dtype) for _ in range(2))
@@ -40,7 +51,8 @@ def test_refusals_name_what_is_wrong():
     x = torch.randn(4, 64)
     assert "dtype" in norm_cpu.rms_norm_cpp_supports(x.half(), None, 1e-6)
     assert "weight dtype" in norm_cpu.rms_norm_cpp_supports(x.bfloat16(), torch.ones(64), 1e-6)
-    assert "not contiguous" in norm_cpu.rms_norm_cpp_supports(x.t(), None, 1e-6)
+    assert "not contiguous" in norm_cpu.rms_norm_cpp_supports(x.t(), None, 1e-6)  # column stride 64
+    assert "not contiguous" in norm_cpu.rms_norm_cpp_supports(torch.randn(2, 4, 64)[:, :, :32], None, 1e-6)
     assert "residual dtype" in norm_cpu.fused_add_rms_norm_cpp_supports(x, x.bfloat16(), None, 1e-6)
     with torch.enable_grad():
         assert "grad" in norm_cpu.rms_norm_cpp_supports(x.requires_grad_(), None, 1e-6)

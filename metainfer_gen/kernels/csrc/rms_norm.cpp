@@ -17,12 +17,13 @@ using namespace metainfer;
 
 namespace {
 
-// Rows [begin, end) of x (M, N) into out; with res, the rounded sum x + res goes to sum_out first and is normalised.
+// Rows [begin, end) of x (M, N), rows sx apart, into out; with res, the rounded sum x + res goes to sum_out first
+// and is normalised.
 template <typename T>
-void norm_rows(const T* x, const T* res, const T* w, T* out, T* sum_out, int64_t n, float eps, int64_t begin,
-               int64_t end) {
+void norm_rows(const T* x, int64_t sx, const T* res, const T* w, T* out, T* sum_out, int64_t n, float eps,
+               int64_t begin, int64_t end) {
   for (int64_t row = begin; row < end; ++row) {
-    const T* xr = x + row * n;
+    const T* xr = x + row * sx;
     T* o = out + row * n;
     if (res != nullptr) {  // round the sum once to T, as the unfused model stores it
       const T* rr = res + row * n;
@@ -65,7 +66,7 @@ void run(const torch::Tensor& x, const torch::Tensor* res, const torch::Tensor* 
   T* sp = sum_out != nullptr ? sum_out->data_ptr<T>() : nullptr;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));  // about 16K values a task
   at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
-    norm_rows(xp, rp, wp, op, sp, n, static_cast<float>(eps), begin, end);
+    norm_rows(xp, x.stride(0), rp, wp, op, sp, n, static_cast<float>(eps), begin, end);
   });
 }
 
@@ -76,9 +77,9 @@ void check(const torch::Tensor& t, const torch::Tensor& x, const char* name) {
 
 std::tuple<torch::Tensor, torch::Tensor> dispatch(const torch::Tensor& x, const torch::Tensor* res,
                                                   c10::optional<torch::Tensor> weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() &&
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu() &&
                   (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
-              "rms_norm: x must be a contiguous (M, N) float32 or bfloat16 CPU tensor");
+              "rms_norm: x must be a (M, N) float32 or bfloat16 CPU tensor with unit column stride");
   const torch::Tensor* w = nullptr;
   if (weight.has_value() && weight->defined()) {
     check(*weight, x, "weight");
@@ -89,8 +90,8 @@ std::tuple<torch::Tensor, torch::Tensor> dispatch(const torch::Tensor& x, const 
     check(*res, x, "residual");
     TORCH_CHECK(res->sizes() == x.sizes(), "rms_norm: residual must have x's shape");
   }
-  auto out = torch::empty_like(x);
-  torch::Tensor sum_out = res != nullptr ? torch::empty_like(x) : torch::Tensor();
+  auto out = torch::empty(x.sizes(), x.options());  // contiguous whatever x's row stride
+  torch::Tensor sum_out = res != nullptr ? torch::empty(x.sizes(), x.options()) : torch::Tensor();
   torch::Tensor* sp = res != nullptr ? &sum_out : nullptr;
   if (x.scalar_type() == torch::kFloat) {
     run<float>(x, res, w, out, sp, eps);
