@@ -6,8 +6,9 @@ the fused form stores ``x + residual`` rounded to x's dtype and normalises that 
 ``torch.compile`` has one graph per shape, so a prefill chunk of a new length ran the eager reference. Rows are split
 over torch's threads. Registered after the compiled path, which stays ahead where it applies (2^20 elements and up,
 a warmed-up shape): at (512, 4096) float32 it ran in 0.33 ms against this kernel's 0.58 on 2 Zen 4 cores; below
-that size this kernel was 1.2-3.4x it (bf16 (2048, 384): 0.14 ms against 0.16; (64, 384): 0.012 against 0.034). Built once per machine by :mod:`metainfer_gen.kernels.cpu_build`; where the build is off or
-fails the registry refuses it with the reason.
+that size this kernel was 1.2-3.4x it (bf16 (2048, 384): 0.14 ms against 0.16; (64, 384): 0.012 against 0.034).
+Built once per machine by :mod:`metainfer_gen.kernels.cpu_build`; where the build is off or fails the registry
+refuses it with the reason.
 """
 
 from __future__ import annotations

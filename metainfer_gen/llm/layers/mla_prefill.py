@@ -11,7 +11,8 @@ Per chunk the queries split in two: those that see every key of the chunk (unmas
 CPU kernel) and the diagonal, which gets a causal mask. Two forms, picked per row by their multiply-adds, the
 absorbed ones weighted by the measured cost factor (:func:`~metainfer_gen.llm.attention_chunks.absorbed_is_cheaper`):
 
-- expanded: ``kv_b_proj`` turns each chunk's latents into per-head ``k_nope`` and ``v`` (built transposed); ordinary attention with keys ``[k_nope, k_pe]`` (PyTorch's fused CPU flash kernel where it applies). The expansion costs
+- expanded: ``kv_b_proj`` turns each chunk's latents into per-head ``k_nope`` and ``v`` (built transposed); ordinary
+  attention with keys ``[k_nope, k_pe]`` (PyTorch's fused CPU flash kernel where it applies). The expansion costs
   ``r x N x (dn + dv)`` per context row, paid once per chunk of queries, so it wins when n is large.
 - absorbed: queries ``[q_nope @ W_UK, q_pe]`` score the 576-wide latent rows directly and the output goes through
   W_UV (as decode does): ``N x (2r + dr)`` per (query, key) pair and no expansion, so it wins for short rows (a
