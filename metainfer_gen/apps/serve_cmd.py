@@ -161,7 +161,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         LLMServer.run_forever(config, log_level=args.log_level)
         return 0
     print(f"loading {config.llm or 'the embedded LLM'} and warming up its step shapes (torch.compile, once per "
-          "process: one to two minutes on 2 CPU cores)", flush=True)
+          "process: 1.5-3.5 minutes on 2 CPU cores, longer while another process compiles; the port opens after "
+          "it)", flush=True)
     with tensor_parallel_pipeline(args.tp, config.llm, **pipeline_options(config)) as pipe:
         if pipe is not None:  # rank 0; the other ranks followed its steps until it stopped
             LLMServer.run_forever(config, log_level=args.log_level, pipe=pipe)
