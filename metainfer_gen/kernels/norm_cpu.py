@@ -33,10 +33,11 @@ def rms_norm_cpp_supports(x: torch.Tensor, weight: torch.Tensor | None, eps: flo
     if x.device.type != "cpu":
         return f"x on {x.device}; the C++ kernel takes CPU tensors"
     others = [t for t in (weight, residual) if t is not None]
+    mismatched = [f"{name} dtype {t.dtype} differs from x's {x.dtype}"
+                  for name, t in (("weight", weight), ("residual", residual)) if t is not None and t.dtype != x.dtype]
     return first_refusal(
         dtype_refusal("x", x, _DTYPES),
-        next((f"{name} dtype {t.dtype} differs from x's {x.dtype}" for name, t in (("weight", weight),
-              ("residual", residual)) if t is not None and t.dtype != x.dtype), None),
+        *mismatched,
         None if all(t.is_contiguous() for t in others) and (x.is_contiguous() or (x.ndim == 2 and x.stride(1) == 1))
         else "x (beyond a row stride), weight or residual is not contiguous",
         None if not (torch.is_grad_enabled() and any(t.requires_grad for t in [x, *others])) else

@@ -26,7 +26,7 @@ def test_rms_norm_matches_reference(dtype, shape, with_weight):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_reads_a_column_slice_in_place(dtype):
+def test_both_forms_read_a_column_slice_in_place(dtype):
     rows = torch.randn(33, 576).to(dtype)
     c_kv = rows[:, :512]  # MLA's latent half of kv_a_proj's output: rows 576 apart
     w = torch.randn(512).to(dtype)
@@ -34,6 +34,12 @@ def test_rms_norm_reads_a_column_slice_in_place(dtype):
     out = norm_cpu.rms_norm_cpp(c_kv, w, 1e-6)
     assert out.is_contiguous()
     assert_close(out, norm.rms_norm_reference(c_kv, w, 1e-6))
+    residual = torch.randn(33, 512).to(dtype)
+    assert norm_cpu.fused_add_rms_norm_cpp_supports(c_kv, residual, w, 1e-6) is None
+    fused, summed = norm_cpu.fused_add_rms_norm_cpp(c_kv, residual, w, 1e-6)
+    ref_fused, ref_sum = norm.fused_add_rms_norm_reference(c_kv, residual, w, 1e-6)
+    assert torch.equal(summed, ref_sum)
+    assert_close(fused, ref_fused)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
