@@ -7,11 +7,12 @@ PyTorch's own extension tutorial and vLLM's CPU build compile theirs). It is bui
 torch's and Python's versions and the CPU's flags, so a checkout moved to another CPU builds afresh rather than
 running instructions that machine lacks. ``METAINFER_CPU_KERNELS=0`` turns every C++ kernel off (the torch paths run
 and the audit says why). A build that fails (no compiler, no ninja) is a refusal with the compiler's last lines,
-never an error: callers fall back to their torch path.
+never an error: callers fall back to their torch path. A build killed half-way leaves nothing that blocks the next.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -46,6 +47,9 @@ def build_key(name: str) -> str:
     import torch
 
     digest = hashlib.sha256((SOURCES / f"{name}.cpp").read_bytes())
+    # The checkout too: ninja's build file names the source by path, so two checkouts sharing one folder rebuilt
+    # each other's kernels on every first load.
+    digest.update(str(SOURCES).encode())
     for header in sorted(SOURCES.glob("*.h")):  # the shared headers every kernel may include
         digest.update(header.read_bytes())
     for part in (" ".join(FLAGS), torch.__version__, sys.version, " ".join(sorted(cpu_flags()))):
@@ -77,10 +81,18 @@ def _build(name: str) -> ModuleType:
     where.mkdir(parents=True, exist_ok=True)
     if not any(where.glob("*.so")):
         log.warning("building the C++ CPU kernel %s for this CPU (once per machine, about 30 s) in %s", name, where)
-    return cpp_extension.load(name=f"metainfer_{name}_{key}", sources=[str(SOURCES / f"{name}.cpp")],
-                              extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], build_directory=str(where),
-                              extra_include_paths=[str(SOURCES)],
-                              verbose=False)
+    # torch's own guard is a file (``lock``) that a killed build leaves behind, and every later load then waits for
+    # it forever. Builds here first take an flock, which the OS drops with its holder: whoever holds it is the only
+    # builder alive, so a ``lock`` file it finds is stale.
+    with open(where / "build.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        stale = where / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build that was interrupted", stale)
+            stale.unlink()
+        return cpp_extension.load(name=f"metainfer_{name}_{key}", sources=[str(SOURCES / f"{name}.cpp")],
+                                  extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], build_directory=str(where),
+                                  extra_include_paths=[str(SOURCES)], verbose=False)
 
 
 def load_built(name: str) -> tuple[ModuleType | None, str | None]:

@@ -116,6 +116,28 @@ def test_a_build_that_fails_is_a_refusal_with_the_compilers_words(tmp_path, monk
         cpu_build.ensure_built("broken")
 
 
+def test_a_lock_left_by_a_killed_build_does_not_block_the_next(tmp_path, monkeypatch):
+    (tmp_path / "tiny.cpp").write_text("#include <torch/extension.h>\nint answer() { return 42; }\n"
+                                       "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\"answer\", &answer); }\n")
+    monkeypatch.setattr(cpu_build, "SOURCES", tmp_path)
+    monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path / "cache"))
+    where = tmp_path / "cache" / f"tiny-{cpu_build.build_key('tiny')}"
+    where.mkdir(parents=True)
+    (where / "lock").touch()  # torch's build baton, as a build killed mid-way leaves it
+    module, reason = cpu_build.load_built("tiny")  # waited for the baton forever before
+    assert reason is None and module.answer() == 42 and not (where / "lock").exists()
+
+
+def test_two_checkouts_build_in_two_folders(tmp_path, monkeypatch):
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "k.cpp").write_text("// same text\n")
+    monkeypatch.setattr(cpu_build, "SOURCES", tmp_path / "a")
+    first = cpu_build.build_key("k")
+    monkeypatch.setattr(cpu_build, "SOURCES", tmp_path / "b")
+    assert cpu_build.build_key("k") != first
+
+
 def test_build_key_follows_the_source_and_the_cpu(tmp_path, monkeypatch):
     (tmp_path / "k.cpp").write_text("// one\n")
     monkeypatch.setattr(cpu_build, "SOURCES", tmp_path)
