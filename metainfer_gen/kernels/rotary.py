@@ -23,6 +23,7 @@ from metainfer_gen.kernels.common import (CompiledPath, contiguous_refusal, dtyp
                                           lazy_triton_kernel, row_bytes_refusal, triton_refusal)
 from metainfer_gen.kernels.launch import launch
 from metainfer_gen.kernels.registry import Op, register_op
+from metainfer_gen.kernels.rotary_cpu import rope_cpp, rope_cpp_supports
 
 __all__ = ["rope", "rope_reference"]
 
@@ -123,6 +124,8 @@ _compiled = CompiledPath(rope_reference)
 
 ROPE = register_op(Op("rope", "rotary embedding (interleaved or half-split pairs)", _example))
 ROPE.register("triton", rope_triton, _triton_supports, description="one program per token, all heads")
+ROPE.register("cpp", rope_cpp, rope_cpp_supports, devices=("cpu",),
+              description="C++ one pass per token, float32 arithmetic, no fused multiply-add (rotary_cpu)")
 ROPE.register("compiled", _compiled, _compiled.refusal, description="torch.compile(reference), static shapes")
 ROPE.register("torch", rope_reference, description="eager reference, float32 arithmetic")
 
