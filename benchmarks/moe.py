@@ -8,8 +8,9 @@
 For each shape and token count T (decode steps of T sequences, prefill chunks), the whole layer (router, routed
 experts, shared experts) is timed with the routed experts run by the old loop over the expert modules and by the
 grouped path (:func:`metainfer_gen.kernels.moe_experts`: one sort, then a padded ``bmm`` or GEMMs per expert run);
-then the routed experts alone: reference, grouped (and which grouped path ran) and the C++ kernel
-(:mod:`metainfer_gen.kernels.moe_cpu`, "refused" where it does not apply). Old and new alternate within each repeat and
+then the routed experts alone: reference, grouped (and which grouped path ran) and the C++ path that applies: the
+decode-sized kernel (``cpp``, :mod:`metainfer_gen.kernels.moe_cpu`) or the prefill-sized runs (``cpp-runs``,
+:mod:`metainfer_gen.kernels.moe_runs_cpu`), "refused" where neither does. Old and new alternate within each repeat and
 the median is reported, so load on a shared machine hits both; the load average is printed with the table. The max
 abs difference between the old and new layer is printed (float32: both compute the same sum), and the grouped and C++
 experts' largest difference from the reference computed in float32 on the same (``--dtype``) inputs.
@@ -29,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from metainfer_gen.kernels import moe, moe_cpu  # noqa: E402
+from metainfer_gen.kernels import moe, moe_cpu, moe_runs_cpu  # noqa: E402
 from metainfer_gen.llm.layers.moe import MoE  # noqa: E402
 from table import print_table, run_header  # noqa: E402  (benchmarks/ is on the path when a script here runs)
 
@@ -80,6 +81,19 @@ def _max_diff(fn, x, weights, ids, stack) -> float:
     return (fn(x, weights, ids, *stack).float() - exact).abs().max().item()
 
 
+def cpp_path(x, weights, ids, w13, w2):
+    """(name, function) of the C++ routed experts that apply to these inputs, or (refusals joined, None)."""
+    refusals = []
+    for name, fn, supports in (("cpp", moe_cpu.moe_experts_cpp, moe_cpu.moe_experts_cpp_supports),
+                               ("cpp-runs", moe_runs_cpu.moe_experts_runs_cpp,
+                                moe_runs_cpu.moe_experts_runs_cpp_supports)):
+        reason = supports(x, weights, ids, w13, w2)
+        if reason is None:
+            return name, fn
+        refusals.append(f"{name}: {reason}")
+    return "; ".join(refusals), None
+
+
 def rows_for(name: str, shape: dict, tokens: list[int], repeats: int, num_layers: int,
              dtype: torch.dtype = torch.float32) -> list[list[str]]:
     """One row per token count; every timed call runs ``num_layers`` layers of distinct weights, one after another
@@ -95,24 +109,25 @@ def rows_for(name: str, shape: dict, tokens: list[int], repeats: int, num_layers
             def each(fn):
                 return lambda: [fn(layer, w, ids, *stack) for layer, (w, ids), stack in zip(layers, routes, stacks)]
 
-            cpp_refusal = moe_cpu.moe_experts_cpp_supports(x, *routes[0], *stacks[0])
+            cpp_name, cpp_fn = cpp_path(x, *routes[0], *stacks[0])
+            cpp_refusal = cpp_fn is None
             fns = [each(lambda layer, w, ids, w13, w2: old_forward(layer, x)), each(lambda layer, *_: layer(x)),
                    each(lambda layer, w, ids, w13, w2: moe.moe_experts_reference(x, w, ids, w13, w2)),
                    each(lambda layer, w, ids, w13, w2: moe.moe_experts_grouped(x, w, ids, w13, w2))]
-            if cpp_refusal is None:
-                fns.append(each(lambda layer, w, ids, w13, w2: moe_cpu.moe_experts_cpp(x, w, ids, w13, w2)))
+            if not cpp_refusal:
+                fns.append(each(lambda layer, w, ids, w13, w2: cpp_fn(x, w, ids, w13, w2)))
             inner = max(1, 32 // (t * num_layers))  # windows of about a millisecond: preemption hits all alike
             times = [v / num_layers for v in paired_median(fns, repeats, inner)]
             old, new, ref, grouped = times[:4]
             weights, ids = routes[0]
             err = (old_forward(layers[0], x) - layers[0](x)).abs().max().item()
             grouped_err = _max_diff(moe.moe_experts_grouped, x, weights, ids, stacks[0])
-            cpp_err = "-" if cpp_refusal else f"{_max_diff(moe_cpu.moe_experts_cpp, x, weights, ids, stacks[0]):.1e}"
+            cpp_err = "-" if cpp_refusal else f"{_max_diff(cpp_fn, x, weights, ids, stacks[0]):.1e}"
             counts = torch.bincount(ids.flatten(), minlength=stacks[0][0].shape[0])
         pairs = t * ids.shape[1]
         path = "padded" if pairs <= moe.PADDED_MAX_PAIRS and \
             stacks[0][0].shape[0] * int(counts.max()) <= moe.PADDED_MAX_WASTE * pairs else "runs"
-        cpp = "refused" if cpp_refusal else f"{times[4] * 1e6:,.0f}"
+        cpp = "refused" if cpp_refusal else f"{times[4] * 1e6:,.0f} ({cpp_name})"
         rows.append([name, str(t), f"{old * 1e6:,.0f}", f"{new * 1e6:,.0f}", f"{old / new:.2f}x",
                      f"{ref * 1e6:,.0f}", f"{grouped * 1e6:,.0f}", f"{ref / grouped:.2f}x", path, cpp,
                      "-" if cpp_refusal else f"{grouped / times[4]:.2f}x", str(int((counts == 0).sum())),
@@ -131,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and tokens")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    tokens = [16, 256] if args.quick else [1, 16, 64, 256, 2048]
+    tokens = [16, 256] if args.quick else [1, 16, 64, 256, 512, 2048]
     repeats = 11 if args.quick else args.repeats
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     rows = []
@@ -143,8 +158,8 @@ def main(argv: list[str] | None = None) -> None:
           "after: "
           + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
     print_table(["shape", "T", "layer old us", "layer new us", "layer speedup", "experts ref us",
-                 "experts grouped us", "experts speedup", "grouped path", "experts cpp us", "cpp vs grouped",
-                 "idle experts", "max abs diff", "grouped max abs diff", "cpp max abs diff"], rows)
+                 "experts grouped us", "experts speedup", "grouped path", "experts C++ us (path)", "C++ vs grouped",
+                 "idle experts", "max abs diff", "grouped max abs diff", "C++ max abs diff"], rows)
 
 
 if __name__ == "__main__":

@@ -100,12 +100,15 @@ def store_kv_cache_reference(key: torch.Tensor, value: torch.Tensor | None, k_ca
                              v_cache: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
     """Write key[t] (and value[t]) into slot slot_mapping[t] of the caches, casting to the cache dtype."""
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
+    # On the CPU the usual case, no padding slot, skips the masked copy of the rows (a GPU would sync for it)
+    every = slot_mapping.device.type == "cpu" and bool(keep.all())
+    slots = slot_mapping.long() if every else slot_mapping[keep].long()
     for rows, cache in ((key, k_cache), (value, v_cache)):
         if rows is None:
             continue
         # index_copy_ has no fp8 kernel on the CPU: copy the bits, identical for every dtype, as words
-        flat, new = _as_words(cache.view(-1, *cache.shape[2:]), rows[keep].to(cache.dtype).contiguous())
+        kept = rows if every else rows[keep]
+        flat, new = _as_words(cache.view(-1, *cache.shape[2:]), kept.to(cache.dtype).contiguous())
         flat.index_copy_(0, slots, new)
 
 
