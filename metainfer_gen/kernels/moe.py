@@ -31,7 +31,7 @@ with no BLAS call per expert.
 
 ``cpp-runs`` (CPU, float32 or bf16, prefill-sized batches; :mod:`metainfer_gen.kernels.moe_runs_cpu`) runs between
 the two: the sort and the per-expert loop of *runs* in C++, each expert's GEMMs torch's own, the gather, ``silu *
-up`` and the weighted sum each one pass, every token's pairs summed in float32 and rounded once.
+up`` and the weighted sum each one pass, with the grouped path's roundings.
 
 ``torch`` (the reference, always applicable): the engine's earlier loop, one gather, three linears and one
 ``index_add_`` per expert that received tokens. :func:`moe_experts_loop` is that loop over any per-expert callables
@@ -165,7 +165,7 @@ MOE_EXPERTS = register_op(Op("moe_experts", "routed MoE experts: sort by expert,
 MOE_EXPERTS.register("cpp", moe_experts_cpp, moe_experts_cpp_supports, devices=("cpu",),
                      description="C++ fp32 / bf16 (vdpbf16ps): per expert, token x weight-row register tiles")
 MOE_EXPERTS.register("cpp-runs", moe_experts_runs_cpp, moe_experts_runs_cpp_supports, devices=("cpu",),
-                     description="C++ sort, one GEMM pair per active expert, fused silu x up and float32 sums")
+                     description="C++ sort, one GEMM pair per active expert, fused silu x up and weighted sums")
 MOE_EXPERTS.register("grouped", moe_experts_grouped,
                      description="one argsort + bincount, padded bmm or GEMMs per contiguous run")
 MOE_EXPERTS.register("torch", moe_experts_reference, description="eager loop, three linears per expert")

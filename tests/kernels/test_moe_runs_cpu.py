@@ -1,9 +1,8 @@
 """The C++ prefill-sized routed experts (``cpp-runs``) against the per-expert reference loop and the dense float64
 sum: runs of every length (bucket padding in bf16), widths that are not multiples of the vector width, experts with
 no token, one expert taking every token, another rank's expert range, the refusals and the registry's choice.
-Tolerance: atol = rtol = 1e-5 in float32; in bf16 atol = rtol = 5e-2 of the float64 sum (three bf16 roundings
-inside each expert, as the grouped path has), and no further from it on average than the grouped path (which also
-rounds each expert's output and every partial sum)."""
+Tolerance: atol = rtol = 1e-5 in float32; in bf16 the grouped path's and the reference's values (the same
+roundings: under 0.1% of the elements may differ, by one bf16 step) and atol = rtol = 5e-2 of the float64 sum."""
 
 from __future__ import annotations
 
@@ -56,16 +55,19 @@ def test_float32_matches_reference(case):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bf16_within_rounding_and_no_worse_than_grouped(case):
+def test_bf16_rounds_as_the_grouped_path_and_the_reference(case):
     for seed in range(2):
         x, weights, ids, w13, w2 = _case(**case, seed=seed, dtype=torch.bfloat16)
-        exact = _dense_wide(x, weights, ids, w13, w2, 0).float()
         got = moe_runs_cpu.moe_experts_runs_cpp(x, weights, ids, w13, w2)
         assert got.dtype == torch.bfloat16
-        # gate/up, silu x up and the down projection each rounded to bf16 (as the grouped path rounds them)
+        grouped = moe.moe_experts_grouped(x, weights, ids, w13, w2)
+        for other in (grouped, moe.moe_experts_reference(x, weights, ids, w13, w2)):
+            # the same roundings (gate/up, silu, silu x up, down, each weighted output, each partial sum): equal but
+            # for a float32 silu landing on the other side of a bf16 rounding boundary now and then
+            assert (got != other).float().mean() < 1e-3
+            torch.testing.assert_close(got.float(), other.float(), atol=1e-2, rtol=1e-2)
+        exact = _dense_wide(x, weights, ids, w13, w2, 0).float()
         torch.testing.assert_close(got.float(), exact, atol=5e-2, rtol=5e-2)
-        grouped = moe.moe_experts_grouped(x, weights, ids, w13, w2).float()
-        assert (got.float() - exact).abs().mean() <= (grouped - exact).abs().mean()
 
 
 def test_other_ranks_experts_and_tokens_without_a_local_expert():

@@ -7,6 +7,7 @@ address. :meth:`Fleet.close` stops the servers, PostgreSQL and the namespaces.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -100,6 +101,14 @@ class Fleet:
         if self.procs[i] is not None:
             self.procs[i].wait(10)
         return pids
+
+    def pause(self, i: int) -> None:
+        """Freeze every process of host ``i`` (SIGSTOP): its workers take and finish no job until :meth:`resume`."""
+        self.hosts.signal_all(i, signal.SIGSTOP)
+
+    def resume(self, i: int) -> None:
+        """Let host ``i``'s processes run again (SIGCONT)."""
+        self.hosts.signal_all(i, signal.SIGCONT)
 
     def close(self) -> None:
         for proc in self.procs:

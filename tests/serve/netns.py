@@ -73,15 +73,19 @@ class Hosts:
         done = subprocess.run(["ip", "netns", "pids", self.names[i]], capture_output=True, text=True, timeout=30)
         return [int(p) for p in done.stdout.split()]
 
-    def kill_all(self, i: int) -> list[int]:
-        """``kill -9`` every process of host ``i``; returns their pids."""
+    def signal_all(self, i: int, sig: int) -> list[int]:
+        """Send ``sig`` to every process of host ``i``; returns their pids."""
         pids = self.pids(i)
         for pid in pids:
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
         return pids
+
+    def kill_all(self, i: int) -> list[int]:
+        """``kill -9`` every process of host ``i``; returns their pids."""
+        return self.signal_all(i, signal.SIGKILL)
 
     def remove(self) -> None:
         """Kill what runs in the namespaces and delete them and their veth pairs; safe to call twice."""

@@ -111,9 +111,11 @@ def test_postgresql_restarted_mid_run_loses_and_repeats_nothing(fleet, store, ap
     assert [store.get(v).renders for v in ids] == [1] * 8
 
 
-# Enough lines that the Ctrl-C lands mid-batch: warm fleet workers finished 8 tiny clips in half a second, and 32 at
-# 12 clips/s before the test's polling, starved under the whole suite's load, saw two of them.
-LINES = 96
+# The Ctrl-C must land mid-batch. Warm fleet workers render these tiny clips at about 10 a second, and under the whole
+# suite's load the render command collected all of them before the test saw two in its manifest. So once two jobs of
+# the batch are done in the store, both hosts are frozen (SIGSTOP) while the command collects them and is interrupted:
+# no job can finish in between.
+LINES = 48
 
 
 def test_render_through_the_fleet_interrupted_and_rerun_renders_each_line_once(fleet, store, tiny_wan_dir,
@@ -140,14 +142,31 @@ def test_render_through_the_fleet_interrupted_and_rerun_renders_each_line_once(f
         text = manifest.read_text() if manifest.exists() else ""
         return sum(json.loads(line)["status"] == "ok" for line in text.splitlines() if line.strip())
 
+    def done_in_store() -> int:
+        return sum(j.id.startswith(ID_PREFIX) and j.status.value == "completed" for j in store.list(200))
+
+    def within(seconds: float, predicate) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not predicate() and first.poll() is None:
+            time.sleep(0.05)
+        return predicate() or first.poll() is not None
+
     first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = ""
     try:
-        for _ in range(1200):  # bounded: 120 s at 0.1 s
-            if ok_lines() >= 2 or first.poll() is not None:
+        for _ in range(40):  # bounded: 40 rounds of at most 4.5 s
+            within(3.0, lambda: done_in_store() >= 2)
+            for i in range(2):
+                fleet.pause(i)
+            try:  # frozen for under a lease (3 s, renewed every 1 s), so no render loses its lease
+                if within(1.5, lambda: ok_lines() >= 2):
+                    first.send_signal(signal.SIGINT)  # Ctrl-C
+                    _, err = first.communicate(timeout=60)
+            finally:
+                for i in range(2):
+                    fleet.resume(i)
+            if first.poll() is not None:
                 break
-            time.sleep(0.1)
-        first.send_signal(signal.SIGINT)  # Ctrl-C
-        _, err = first.communicate(timeout=60)
     finally:
         if first.poll() is None:
             first.kill()

@@ -11,10 +11,10 @@
 //      checkpoint layout);
 //   3. silu(gate) * up in one pass, rounded as torch's two ops round it (silu to the dtype, then the product);
 //   4. the down projection, one GEMM;
-//   5. each row scaled by its routing weight and added to its token's float32 sum: a token appears at most once in
-//      an expert's run, so rows are split over threads without races, and every token's pairs are summed in
-//      ascending expert order, in float32, rounded to the dtype once at the end (as the decode-sized kernel,
-//      csrc/moe_experts.cpp, and transformers' DeepseekV3MoE sum them).
+//   5. each row scaled by its routing weight, rounded to the dtype and added to its token's sum in the dtype (a
+//      float32 buffer holding values of the dtype): a token appears at most once in an expert's run, so rows are
+//      split over threads without races, and every token's pairs are summed in ascending expert order with the
+//      roundings of the reference's and transformers' DeepseekV3Experts' index_add_ in the dtype.
 // It replaces the grouped path's per-expert Python loop of a gather, two GEMMs, silu, a product, a scaled cast and
 // an index_add_ (about ten torch ops an expert, each a dispatch and a pass over the rows).
 
@@ -114,8 +114,12 @@ void run_experts(const torch::Tensor& x, const float* wp, const std::vector<int6
         const T* src = yp + r * H;
         const float s = wp[run[r]];
         int64_t c = 0;
-        for (; c + kLanes <= H; c += kLanes) store16(o + c, load16(o + c) + load16(src + c) * s);
-        for (; c < H; ++c) o[c] += static_cast<float>(src[c]) * s;
+        for (; c + kLanes <= H; c += kLanes)
+          store16(o + c, round16<T>(load16(o + c) + round16<T>(load16(src + c) * s)));
+        for (; c < H; ++c) {
+          const float v = static_cast<float>(static_cast<T>(static_cast<float>(src[c]) * s));
+          o[c] = static_cast<float>(static_cast<T>(o[c] + v));
+        }
       }
     });
   }
