@@ -158,14 +158,16 @@ def test_render_through_the_fleet_interrupted_and_rerun_renders_each_line_once(f
             within(3.0, lambda: done_in_store() >= 2)
             for i in range(2):
                 fleet.pause(i)
+            interrupted = False
             try:  # frozen for under a lease (3 s, renewed every 1 s), so no render loses its lease
                 if within(1.5, lambda: ok_lines() >= 2):
-                    first.send_signal(signal.SIGINT)  # Ctrl-C
-                    _, err = first.communicate(timeout=60)
+                    first.send_signal(signal.SIGINT)  # Ctrl-C, while no job can finish
+                    interrupted = True
             finally:
-                for i in range(2):
+                for i in range(2):  # before waiting: a frozen worker may hold a row lock the command needs
                     fleet.resume(i)
-            if first.poll() is not None:
+            if interrupted or first.poll() is not None:
+                _, err = first.communicate(timeout=60)
                 break
     finally:
         if first.poll() is None:

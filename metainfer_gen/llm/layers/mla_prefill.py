@@ -96,7 +96,7 @@ def _expanded(attn, q_nope, q_pe, cache_rows, slots, start, chunk) -> torch.Tens
         # copy of (N, s, dn + dr) per chunk.
         kv_t = torch.mm(weight, c_kv.t()).view(heads, dn + dv, -1)
         key = torch.cat([kv_t[:, :dn], k_pe.t()[None].expand(heads, -1, -1)], dim=1).transpose(1, 2)
-        v = kv_t[:, dn:].transpose(1, 2).contiguous()  # (N, s, dv): each block's bmm then reads rows, not columns
+        v = kv_t[:, dn:].transpose(1, 2)  # (N, s, dv)
         for lo, hi, causal in _parts(start, n, first, last):
             out, lse = block_attention(query[:, lo:hi], key, v, attn.softmax_scale, None, causal=causal)
             if state is None and (lo, hi, last) == (0, n, start + n):  # one chunk, one part: nothing to merge
