@@ -11,10 +11,10 @@
 //      checkpoint layout);
 //   3. silu(gate) * up in one pass, rounded as torch's two ops round it (silu to the dtype, then the product);
 //   4. the down projection, one GEMM;
-//   5. each row scaled by its routing weight, rounded to the dtype and added to its token's sum in the dtype (a
-//      float32 buffer holding values of the dtype): a token appears at most once in an expert's run, so rows are
-//      split over threads without races, and every token's pairs are summed in ascending expert order with the
-//      roundings of the reference's and transformers' DeepseekV3Experts' index_add_ in the dtype.
+//   5. each row scaled by its routing weight, rounded to the dtype and added to its token's output row in the
+//      dtype: a token appears at most once in an expert's run, so rows are split over threads without races, and
+//      every token's pairs are summed in ascending expert order with the roundings of the reference's and
+//      transformers' DeepseekV3Experts' index_add_ in the dtype.
 // It replaces the grouped path's per-expert Python loop of a gather, two GEMMs, silu, a product, a scaled cast and
 // an index_add_ (about ten torch ops an expert, each a dispatch and a pass over the rows).
 
@@ -73,7 +73,7 @@ inline v16f round16(v16f v) {  // v rounded to T and back (a no-op for float32)
 template <typename T>
 void run_experts(const torch::Tensor& x, const float* wp, const std::vector<int64_t>& order,
                  const std::vector<int64_t>& offsets, int64_t k, const torch::Tensor& w13, const torch::Tensor& w2,
-                 bool bucket, float* acc) {
+                 bool bucket, T* out) {
   const int64_t H = x.size(1), E = w13.size(0), I = w2.size(2);
   int64_t longest = 0;
   for (int64_t e = 0; e < E; ++e) longest = std::max(longest, offsets[e + 1] - offsets[e]);
@@ -110,15 +110,13 @@ void run_experts(const torch::Tensor& x, const float* wp, const std::vector<int6
     const T* yp = y.data_ptr<T>();
     at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) {
       for (int64_t r = lo; r < hi; ++r) {
-        float* o = acc + run[r] / k * H;
+        T* o = out + run[r] / k * H;
         const T* src = yp + r * H;
         const float s = wp[run[r]];
         int64_t c = 0;
-        for (; c + kLanes <= H; c += kLanes)
-          store16(o + c, round16<T>(load16(o + c) + round16<T>(load16(src + c) * s)));
+        for (; c + kLanes <= H; c += kLanes) store16(o + c, load16(o + c) + round16<T>(load16(src + c) * s));
         for (; c < H; ++c) {
-          const float v = static_cast<float>(static_cast<T>(static_cast<float>(src[c]) * s));
-          o[c] = static_cast<float>(static_cast<T>(o[c] + v));
+          o[c] = static_cast<T>(static_cast<float>(o[c]) + static_cast<float>(static_cast<T>(src[c] * s)));
         }
       }
     });
@@ -158,15 +156,15 @@ torch::Tensor moe_runs(torch::Tensor x, torch::Tensor weights, torch::Tensor ids
     const int64_t e = ip[p] - first_expert;
     if (e >= 0 && e < E) order[fill[e]++] = p;
   }
-  auto acc = torch::zeros({T, x.size(1)}, x.options().dtype(torch::kFloat));
-  if (offsets[E] == 0) return acc.to(x.scalar_type());
+  auto out = torch::zeros_like(x);
+  if (offsets[E] == 0) return out;
   if (x.scalar_type() == torch::kFloat) {
-    run_experts<float>(x, weights.data_ptr<float>(), order, offsets, k, w13, w2, bucket, acc.data_ptr<float>());
+    run_experts<float>(x, weights.data_ptr<float>(), order, offsets, k, w13, w2, bucket, out.data_ptr<float>());
   } else {
     run_experts<at::BFloat16>(x, weights.data_ptr<float>(), order, offsets, k, w13, w2, bucket,
-                              acc.data_ptr<float>());
+                              out.data_ptr<at::BFloat16>());
   }
-  return acc.to(x.scalar_type());
+  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
