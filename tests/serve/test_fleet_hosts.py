@@ -115,7 +115,7 @@ def test_postgresql_restarted_mid_run_loses_and_repeats_nothing(fleet, store, ap
 # suite's load the render command collected all of them before the test saw two in its manifest. So once two jobs of
 # the batch are done in the store, both hosts are frozen (SIGSTOP) while the command collects them and is interrupted:
 # no job can finish in between.
-LINES = 48
+LINES = 96
 
 
 def test_render_through_the_fleet_interrupted_and_rerun_renders_each_line_once(fleet, store, tiny_wan_dir,
