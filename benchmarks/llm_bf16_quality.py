@@ -41,7 +41,8 @@ def first_token_rows(path: Path, num_prompts: int, lo: int = 16, hi: int = 200) 
         with torch.inference_mode():
             ref = [ref_model(torch.tensor([p])).logits[0, -1].float() for p in prompts]
         del ref_model
-        engine = LLMEngine.from_pretrained(path, EngineConfig(dtype=dtype, max_model_len=max(1024, hi), max_num_seqs=64))
+        config = EngineConfig(dtype=dtype, max_model_len=max(1024, hi), max_num_seqs=64)
+        engine = LLMEngine.from_pretrained(path, config)
         gaps, agree = [], 0
         blocks = list(range(-(-hi // engine.config.block_size)))
         with torch.inference_mode():
@@ -51,7 +52,8 @@ def first_token_rows(path: Path, num_prompts: int, lo: int = 16, hi: int = 200) 
                 logits = engine.model.compute_logits(hidden[-1:])[0].float()
                 agree += int(logits.argmax()) == int(r.argmax())
                 gaps.append(float((logits - r).abs().max()))
-        rows.append([f"random DeepSeek-V3 (576-wide), {lo}-{hi} tokens", dtype, f"{agree}/{len(prompts)} ({agree / len(prompts):.1%})",
+        rows.append([f"random DeepSeek-V3 (576-wide), {lo}-{hi} tokens", dtype,
+                     f"{agree}/{len(prompts)} ({agree / len(prompts):.1%})",
                      f"{max(gaps):.3g}", f"{sum(gaps) / len(gaps):.3g}"])
     return rows
 

@@ -3,9 +3,10 @@
 A stable counting sort groups each local expert's (token, slot) pairs; then per active expert, in ascending expert
 order: its tokens' rows gathered into one buffer, gate and up in one GEMM, ``silu(gate) * up`` in one pass, the
 down projection in one GEMM, and each row scaled by its routing weight, rounded to x's dtype and added to its
-token's sum in that dtype (the roundings of the reference's and transformers' ``index_add_``). The GEMMs are torch's own (``at::mm_out``: oneDNN in bf16, rows padded to
-:func:`metainfer_gen.kernels.gemm.bucket_rows` as the eager linears pad them, MKL in float32); what moves to C++
-is the work between them, which the ``grouped`` path spends as about ten torch ops an expert in a Python loop.
+token's sum in that dtype (the roundings of the reference's and transformers' ``index_add_``). The GEMMs are
+torch's own (``at::mm_out``: oneDNN in bf16, rows padded to :func:`metainfer_gen.kernels.gemm.bucket_rows` as the
+eager linears pad them, MKL in float32); what moves to C++ is the work between them, which the ``grouped`` path
+spends as about ten torch ops an expert in a Python loop.
 It serves the batches the decode-sized kernel (:mod:`metainfer_gen.kernels.moe_cpu`) refuses: above
 :data:`~metainfer_gen.kernels.moe_cpu.CPP_MAX_PAIRS_PER_EXPERT` pairs an expert on average, where BLAS blocking
 wins over register tiles. Figures (``benchmarks/moe.py``) are in docs/kernels_cpu.md. Built once per machine by
@@ -50,8 +51,8 @@ def moe_experts_runs_cpp_supports(x: torch.Tensor, weights: torch.Tensor, ids: t
 def moe_experts_runs_cpp(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
                          w2: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
     """Same arguments and result as :func:`metainfer_gen.kernels.moe_experts` ((T, H) in x's dtype); each token's
-    pairs are summed in ascending expert order, each weighted output and partial sum rounded to x's dtype. Raises RuntimeError where the kernel
-    is not built or the tensors break its contract (dtypes, contiguity, shapes)."""
+    pairs are summed in ascending expert order, each weighted output and partial sum rounded to x's dtype. Raises
+    RuntimeError where the kernel is not built or the tensors break its contract (dtypes, contiguity, shapes)."""
     return ensure_built(KERNEL).moe_runs(x.contiguous(), weights.contiguous(), ids.contiguous(), w13, w2,
                                          int(first_expert), x.dtype != torch.float32)
 
