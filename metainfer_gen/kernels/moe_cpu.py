@@ -9,8 +9,8 @@ compiled decode graph's every-expert GEMMs read and multiply all experts for eve
 
 Where it applies: CPU tensors; float32, or bf16 where the build targets AVX512-BF16 (``vdpbf16ps``: AVX512-BF16
 and AMX CPUs; elsewhere bf16 runs oneDNN's GEMMs); hidden and expert widths multiples of 16 (32 in bf16); at most
-:data:`CPP_MAX_PAIRS_PER_EXPERT` pairs per local expert on average: past that BLAS blocking wins (prefill
-chunks). Figures (``benchmarks/moe.py``) are in docs/kernels_cpu.md. Built once per machine by
+:func:`max_pairs_per_expert` pairs per local expert on average (64 in bf16, 32 in float32): past that BLAS blocking
+wins (prefill chunks). Figures (``benchmarks/moe.py``) are in docs/kernels_cpu.md. Built once per machine by
 :mod:`metainfer_gen.kernels.cpu_build`; where the build is off or fails the registry refuses it with the reason.
 """
 
@@ -21,13 +21,19 @@ import torch
 from metainfer_gen.kernels.common import dtype_refusal, first_refusal
 from metainfer_gen.kernels.cpu_build import ensure_built, load_built
 
-__all__ = ["CPP_BF16_IN_GRAPH_MAX_PAIRS_PER_EXPERT", "CPP_MAX_PAIRS_PER_EXPERT", "KERNEL", "moe_experts_cpp",
-           "moe_experts_cpp_supports", "moe_weights_cpp_refusal", "warm_up", "within_pairs_limit"]
+__all__ = ["CPP_BF16_IN_GRAPH_MAX_PAIRS_PER_EXPERT", "CPP_FP32_MAX_PAIRS_PER_EXPERT", "CPP_MAX_PAIRS_PER_EXPERT",
+           "KERNEL", "max_pairs_per_expert", "moe_experts_cpp", "moe_experts_cpp_supports", "moe_weights_cpp_refusal",
+           "warm_up", "within_pairs_limit"]
 
 KERNEL = "moe_experts"
 # On 2 Zen 3 cores (float32, 16 experts of width 192, hidden 384, top-4, weights in cache) the kernel ran 4.7-7.6x
 # the grouped path at 1-4 tokens, 2.5x at 16, 1.6x at 64, 1.1x at 256 (64 pairs an expert) and 0.44x at 2,048 (512).
+# Against the ``cpp-runs`` path (one MKL / oneDNN GEMM pair per active expert) on 2 Zen 4 cores (same shapes, 8 layers
+# of weights, benchmarks/moe_crossover.py): bf16 (vdpbf16ps) still won 1.18x at 64 pairs an expert and tied near 100
+# (kept at 64: it sums a token's pairs in float32, where transformers rounds per pair); float32 tied at 32 and took
+# 1.14x / 1.28x longer at 48 / 64, where one prompt's prefill of 200-256 tokens lands.
 CPP_MAX_PAIRS_PER_EXPERT = 64
+CPP_FP32_MAX_PAIRS_PER_EXPERT = 32
 # In a compiled bf16 decode step the alternative is not the grouped path but oneDNN's every-expert GEMMs folded into
 # the graph: they read the same weights at a higher rate and their extra multiplies are cheap at decode widths. On
 # 2 Zen 4 cores (AVX512-BF16, random-large, benchmarks/llm_decode_step.py --baseline folded-experts) the kernel's
@@ -58,11 +64,19 @@ def moe_weights_cpp_refusal(w13: torch.Tensor, w2: torch.Tensor) -> str | None:
     return reason
 
 
-def within_pairs_limit(num_pairs: int, num_local: int, in_graph_dtype: torch.dtype | None = None) -> bool:
-    """Whether ``num_pairs`` (token, slot) pairs over ``num_local`` experts are few enough for the kernel; with
-    ``in_graph_dtype`` bf16, few enough to beat a compiled step's folded every-expert GEMMs."""
-    limit = CPP_BF16_IN_GRAPH_MAX_PAIRS_PER_EXPERT if in_graph_dtype == torch.bfloat16 else CPP_MAX_PAIRS_PER_EXPERT
-    return num_pairs <= limit * num_local
+def max_pairs_per_expert(dtype: torch.dtype, in_graph: bool = False) -> int:
+    """The most (token, slot) pairs per local expert, on average, for which the kernel runs on ``dtype`` inputs:
+    eagerly, where the ``cpp-runs`` GEMMs take the larger batches; ``in_graph``, inside a compiled decode step,
+    where the alternative is the step's folded every-expert GEMMs."""
+    if in_graph:
+        return CPP_BF16_IN_GRAPH_MAX_PAIRS_PER_EXPERT if dtype == torch.bfloat16 else CPP_MAX_PAIRS_PER_EXPERT
+    return CPP_FP32_MAX_PAIRS_PER_EXPERT if dtype == torch.float32 else CPP_MAX_PAIRS_PER_EXPERT
+
+
+def within_pairs_limit(num_pairs: int, num_local: int, dtype: torch.dtype, in_graph: bool = False) -> bool:
+    """Whether ``num_pairs`` (token, slot) pairs over ``num_local`` experts are few enough for the kernel
+    (:func:`max_pairs_per_expert`)."""
+    return num_pairs <= max_pairs_per_expert(dtype, in_graph) * num_local
 
 
 def moe_experts_cpp_supports(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
@@ -75,8 +89,9 @@ def moe_experts_cpp_supports(x: torch.Tensor, weights: torch.Tensor, ids: torch.
         dtype_refusal("x", x, (w13.dtype,)),
         None if weights.dtype == torch.float32 and ids.dtype == torch.int64 else
         f"routing weights {weights.dtype} / ids {ids.dtype} (need float32 / int64)",
-        None if within_pairs_limit(pairs, num_local) else
-        f"{pairs} pairs over {num_local} experts: above {CPP_MAX_PAIRS_PER_EXPERT} an expert, BLAS GEMMs win",
+        None if within_pairs_limit(pairs, num_local, x.dtype) else
+        f"{pairs} pairs over {num_local} experts: above {max_pairs_per_expert(x.dtype)} an expert in {x.dtype}, "
+        f"BLAS GEMMs win",
         None if not (torch.is_grad_enabled() and (x.requires_grad or w13.requires_grad)) else
         "autograd is on; the kernel has no backward",
         moe_weights_cpp_refusal(w13, w2),

@@ -8,7 +8,7 @@ torch's own (``at::mm_out``: oneDNN in bf16, rows padded to :func:`metainfer_gen
 eager linears pad them, MKL in float32); what moves to C++ is the work between them, which the ``grouped`` path
 spends as about ten torch ops an expert in a Python loop.
 It serves the batches the decode-sized kernel (:mod:`metainfer_gen.kernels.moe_cpu`) refuses: above
-:data:`~metainfer_gen.kernels.moe_cpu.CPP_MAX_PAIRS_PER_EXPERT` pairs an expert on average, where BLAS blocking
+:func:`~metainfer_gen.kernels.moe_cpu.max_pairs_per_expert` pairs an expert on average, where BLAS blocking
 wins over register tiles. Figures (``benchmarks/moe.py``) are in docs/kernels_cpu.md. Built once per machine by
 :mod:`metainfer_gen.kernels.cpu_build`; where the build is off or fails the registry refuses it with the reason.
 """
@@ -19,7 +19,7 @@ import torch
 
 from metainfer_gen.kernels.common import dtype_refusal, first_refusal
 from metainfer_gen.kernels.cpu_build import ensure_built, load_built
-from metainfer_gen.kernels.moe_cpu import CPP_MAX_PAIRS_PER_EXPERT
+from metainfer_gen.kernels.moe_cpu import max_pairs_per_expert, within_pairs_limit
 
 __all__ = ["KERNEL", "moe_experts_runs_cpp", "moe_experts_runs_cpp_supports", "warm_up"]
 
@@ -40,9 +40,9 @@ def moe_experts_runs_cpp_supports(x: torch.Tensor, weights: torch.Tensor, ids: t
         None if w13.is_contiguous() and w2.is_contiguous() else "expert weights are not contiguous stacks",
         None if weights.dtype == torch.float32 and ids.dtype == torch.int64 else
         f"routing weights {weights.dtype} / ids {ids.dtype} (need float32 / int64)",
-        None if pairs > CPP_MAX_PAIRS_PER_EXPERT * num_local else
-        f"{pairs} pairs over {num_local} experts: decode-sized (at most {CPP_MAX_PAIRS_PER_EXPERT} an expert), "
-        f"where per-expert GEMMs pay more than they save",
+        None if not within_pairs_limit(pairs, num_local, x.dtype) else
+        f"{pairs} pairs over {num_local} experts: decode-sized (at most {max_pairs_per_expert(x.dtype)} an expert in "
+        f"{x.dtype}), where per-expert GEMMs pay more than they save",
         None if not (torch.is_grad_enabled() and (x.requires_grad or w13.requires_grad)) else
         "autograd is on; the kernel has no backward",
     ) or load_built(KERNEL)[1]

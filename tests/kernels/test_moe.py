@@ -99,8 +99,8 @@ def test_dispatch_runs_grouped_and_audits_it():
     assert (entry.path, entry.site) == ("grouped", "test.moe")
     assert [(r.implementation, r.reason) for r in entry.refusals] == [
         ("cpp", "hidden 48 and expert width 40 must be multiples of 16 in torch.float32"),
-        ("cpp-runs", "32 pairs over 8 experts: decode-sized (at most 64 an expert), where per-expert GEMMs pay more "
-                     "than they save")]
+        ("cpp-runs", "32 pairs over 8 experts: decode-sized (at most 32 an expert in torch.float32), where "
+                     "per-expert GEMMs pay more than they save")]
     assert moe.MOE_EXPERTS.names == ["cpp", "cpp-runs", "grouped", "torch"]
     torch.testing.assert_close(out, moe.moe_experts_reference(x, weights, ids, w13, w2), atol=1e-5, rtol=1e-5)
 

@@ -115,8 +115,11 @@ def test_registry_picks_it_for_decode_batches_and_says_why_not_elsewhere():
     assert (entry.path, entry.refusals) == ("cpp", ())
     torch.testing.assert_close(out, moe.moe_experts_reference(x, weights, ids, w13, w2), atol=1e-5, rtol=1e-5)
     refusal = moe_cpu.moe_experts_cpp_supports
-    big = _case(moe_cpu.CPP_MAX_PAIRS_PER_EXPERT * 8 // 2 + 1, 8, 2)  # one pair past the limit
-    assert "above 64 an expert, BLAS GEMMs win" in refusal(*big)
+    limit = moe_cpu.max_pairs_per_expert(torch.float32)  # 32 eagerly; 64 inside a compiled step
+    assert (limit, moe_cpu.max_pairs_per_expert(torch.float32, in_graph=True)) == (32, 64)
+    assert refusal(*_case(limit * 8 // 2, 8, 2)) is None  # exactly the limit
+    big = _case(limit * 8 // 2 + 1, 8, 2)  # one pair past the limit
+    assert "above 32 an expert in torch.float32, BLAS GEMMs win" in refusal(*big)
     assert refusal(*_case(4, 8, 2, dtype=torch.bfloat16)) == \
         "hidden 64 and expert width 48 must be multiples of 32 in torch.bfloat16"
     bf16 = refusal(*_case(4, 8, 2, dtype=torch.bfloat16, width=BF16_WIDTH))

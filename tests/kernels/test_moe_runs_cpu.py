@@ -91,11 +91,12 @@ def test_registry_picks_it_past_the_decode_kernel_and_says_why_not_below():
         out = moe.moe_experts(x, weights, ids, w13, w2, site="test.moe_runs")
     (entry,) = [e for e in report.entries if e.op == "moe_experts"]
     assert entry.path == "cpp-runs"
-    assert [r.implementation for r in entry.refusals] == ["cpp"]  # 600 pairs: above the decode kernel's 64 an expert
+    assert [r.implementation for r in entry.refusals] == ["cpp"]  # 600 pairs: past the decode kernel's 32 an expert
     torch.testing.assert_close(out, moe.moe_experts_reference(x, weights, ids, w13, w2), atol=1e-5, rtol=1e-5)
     refusal = moe_runs_cpu.moe_experts_runs_cpp_supports
-    small = _case(moe_cpu.CPP_MAX_PAIRS_PER_EXPERT * 8 // 2, 8, 2)  # exactly the decode kernel's limit
-    assert "decode-sized (at most 64 an expert)" in refusal(*small)
+    small = _case(moe_cpu.max_pairs_per_expert(torch.float32) * 8 // 2, 8, 2)  # exactly the decode kernel's limit
+    assert "decode-sized (at most 32 an expert in torch.float32)" in refusal(*small)
+    assert refusal(*_case(moe_cpu.max_pairs_per_expert(torch.float32) * 8 // 2 + 1, 8, 2)) is None
     assert refusal(*_case(300, 8, 2, dtype=torch.float16)) == "x dtype float16 not in (float32, bfloat16)"
     assert refusal(x, weights, ids, w13.to(torch.bfloat16), w2.to(torch.bfloat16)).startswith("expert weights")
     assert "not contiguous" in refusal(x, weights, ids, w13.transpose(1, 2).contiguous().transpose(1, 2), w2)

@@ -58,7 +58,7 @@ def test_stacked_forward_equals_the_per_expert_loop():
     out, paths = _paths(layer, x)
     assert paths == {"grouped" if layer._cpp_refusal else "cpp"}  # the C++ experts where they build
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    many = torch.randn(300, CONFIG.hidden_size)  # 600 pairs: past the decode kernel's 64 an expert
+    many = torch.randn(300, CONFIG.hidden_size)  # 600 pairs: past the decode kernel's 32 an expert
     out, paths = _paths(layer, many)
     assert paths == {"cpp-runs" if moe_runs_cpu.warm_up() is None else "grouped"}  # the prefill-sized C++ runs
     torch.testing.assert_close(out, _loop_forward(layer, many), atol=1e-5, rtol=1e-5)

@@ -5,18 +5,17 @@
 //
 // The same sum as metainfer_gen.kernels.moe.moe_experts_reference, for decode-sized batches: a counting sort puts
 // each local expert's (token, slot) pairs in a run; then, per expert and block of output rows, a register tile of
-// token rows x weight rows accumulates dot products over the hidden dimension (both operands contiguous in it: the
-// stacked weights are used in their checkpoint layout, gate rows then up rows, never copied or re-laid out). Every
-// weight row an active expert owns is read once per step however few tokens it got, so a decode step is one
-// streamed read of the active experts, where a BLAS call per expert pays its packing and threading for a few rows.
+// token rows x weight rows accumulates dot products over the hidden dimension, reading the stacked weights in their
+// checkpoint layout (gate rows then up rows). Every weight row an active expert owns is read once per step however
+// few tokens it got, where a BLAS call per expert pays its packing and threading for a few rows.
 // Three passes on torch's intra-op threads (at::parallel_for), each thread taking work items from a shared counter:
 // gate/up rows -> silu(gate) * up; down rows scaled by the routing weight, per pair; each token's pairs summed in
 // ascending expert order (the reference's order).
 //
-// float32: vec16.h's vectors (one register: 8 floats on AVX2, 16 on AVX-512); GCC contracts a * b + c into FMA.
-// bf16 (built only where the target has AVX512-BF16): vdpbf16ps sums 32 bf16 products into 16 float32 lanes; the
-// gate/up results, silu and the routed sum stay float32, silu(gate) * up is rounded to bf16 once (the down
-// projection's input, as the reference's bf16 GEMM takes it) and the output once.
+// float32: vec16.h's vectors (8 floats on AVX2, 16 on AVX-512); GCC contracts a * b + c into FMA. bf16 (built only
+// where the target has AVX512-BF16): vdpbf16ps sums 32 bf16 products into 16 float32 lanes; the gate/up results,
+// silu and the routed sum stay float32, silu(gate) * up is rounded to bf16 once (the down projection's input, as
+// the reference's bf16 GEMM takes it) and the output once.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -25,29 +24,39 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
-
-#include "vec16.h"
+#include "vec16.h"  // immintrin.h where the target has AVX-512
 
 namespace {
 
 using namespace metainfer;
 
 constexpr int kRows = 4;     // token rows in a register tile
-constexpr int kCols = 2;     // weight rows in a tile of several token rows (4 x 2 accumulators + 6 operands)
+// Weight rows in a tile of several token rows: float32 on AVX-512, 4 x 4 accumulators of its 32 registers (1.1-1.2x
+// the 4 x 2 tile at 32-256 tokens on 2 Zen 4 cores); 4 x 2 in AVX2's 16 and in bf16 (4 x 4 ran 0.9x there).
+template <typename T>
+constexpr int kCols = kLanes == 16 && std::is_same_v<T, float> ? 4 : 2;
 constexpr int kColsOne = 8;  // weight rows in a one-token tile (a GEMV: 8 weight streams in flight)
 constexpr int64_t kBlock = 32;  // weight rows per work item
 
-inline float tree_sum(v16f v) {
-  float s[kLanes];
-  store16(s, v);
-  for (int width = kLanes / 2; width > 0; width /= 2)
-    for (int i = 0; i < width; ++i) s[i] += s[i + width];
-  return s[0];
+// out[r * ldo + c] = the sum of acc[r][c]'s lanes: all 16 at once in a 16-accumulator tile, else tree_sum each.
+template <int R, int C>
+inline void store_sums(v16f (&acc)[R][C], float* out, int64_t ldo) {
+#if defined(__AVX512F__)
+  if constexpr (R * C == 16) {
+    v16f v[16];
+    for (int i = 0; i < 16; ++i) v[i] = acc[i / C][i % C];
+    reduce16(v);
+    float s[16];
+    store16(s, v[0]);
+    for (int i = 0; i < 16; ++i) out[(i / C) * ldo + i % C] = s[4 * (i % 4) + i / 4];
+    return;
+  }
+#endif
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * ldo + c] = tree_sum(acc[r][c]);
 }
 
 // out[r * ldo + c] = x_r . w[c * ldw : + K] for R token rows and C weight rows, K a multiple of kLanes.
@@ -65,8 +74,7 @@ inline void dot_tile(const float* const* xs, const float* w, int64_t ldw, int64_
       for (int c = 0; c < C; ++c) acc[r][c] += xv * wv[c];
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[r * ldo + c] = tree_sum(acc[r][c]);
+  store_sums<R, C>(acc, out, ldo);
 }
 
 #if defined(__AVX512BF16__)
@@ -75,9 +83,7 @@ constexpr bool kBf16 = true;
 template <int R, int C>
 inline void dot_tile(const at::BFloat16* const* xs, const at::BFloat16* w, int64_t ldw, int64_t K, float* out,
                      int64_t ldo) {
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  v16f acc[R][C] = {};
   for (int64_t k = 0; k < K; k += 32) {
     __m512bh wv[C];
     for (int c = 0; c < C; ++c) {
@@ -86,11 +92,10 @@ inline void dot_tile(const at::BFloat16* const* xs, const at::BFloat16* w, int64
     }
     for (int r = 0; r < R; ++r) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(xs[r] + k);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+      for (int c = 0; c < C; ++c) acc[r][c] = (v16f)_mm512_dpbf16_ps((__m512)acc[r][c], xv, wv[c]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[r * ldo + c] = _mm512_reduce_add_ps(acc[r][c]);
+  store_sums<R, C>(acc, out, ldo);
 }
 #else
 constexpr bool kBf16 = false;
@@ -101,7 +106,7 @@ void dot_rows(const T* const* xs, const T* w, int64_t ldw, int64_t K, int64_t co
   int64_t c = 0;
   if (R == 1)
     for (; c + kColsOne <= cols; c += kColsOne) dot_tile<1, kColsOne>(xs, w + c * ldw, ldw, K, out + c, ldo);
-  for (; c + kCols <= cols; c += kCols) dot_tile<R, kCols>(xs, w + c * ldw, ldw, K, out + c, ldo);
+  for (; c + kCols<T> <= cols; c += kCols<T>) dot_tile<R, kCols<T>>(xs, w + c * ldw, ldw, K, out + c, ldo);
   for (; c < cols; ++c) dot_tile<R, 1>(xs, w + c * ldw, ldw, K, out + c, ldo);
 }
 

@@ -10,6 +10,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace metainfer {
 
 #if defined(__AVX512F__)
@@ -51,6 +55,35 @@ inline float hsum(v16f v) {
   for (int i = 0; i < kLanes; ++i) s += v[i];
   return s;
 }
+
+// Lane sums in tree order (lane i + lane i + 8, then + 4, + 2, + 1). reduce16: the sums of 16 vectors at once, the
+// sum of v[i] in lane 4 (i % 4) + i / 4 of v[0], by four rounds of shuffles and adds; bit-equal to tree_sum.
+#if defined(__AVX512F__)
+inline float tree_sum(v16f v) { return _mm512_reduce_add_ps((__m512)v); }  // the same order
+
+inline void reduce16(v16f* v) {
+  for (int n = 8, round = 0; n >= 1; n /= 2, ++round)
+    for (int i = 0; i < n; ++i) {
+      const __m512 a = (__m512)v[2 * i], b = (__m512)v[2 * i + 1];
+      __m512 lo, hi;
+      switch (round) {
+        case 0: lo = _mm512_shuffle_f32x4(a, b, 0x44); hi = _mm512_shuffle_f32x4(a, b, 0xee); break;
+        case 1: lo = _mm512_shuffle_f32x4(a, b, 0x88); hi = _mm512_shuffle_f32x4(a, b, 0xdd); break;
+        case 2: lo = _mm512_shuffle_ps(a, b, 0x44); hi = _mm512_shuffle_ps(a, b, 0xee); break;
+        default: lo = _mm512_shuffle_ps(a, b, 0x88); hi = _mm512_shuffle_ps(a, b, 0xdd); break;
+      }
+      v[i] = (v16f)_mm512_add_ps(lo, hi);
+    }
+}
+#else
+inline float tree_sum(v16f v) {
+  float s[kLanes];
+  store16(s, v);
+  for (int width = kLanes / 2; width > 0; width /= 2)
+    for (int i = 0; i < width; ++i) s[i] += s[i + width];
+  return s[0];
+}
+#endif
 
 // exp(x) for x <= 0 (Cephes expf: 2^n times a degree-6 polynomial on [-ln2/2, ln2/2], about 2 ulp); x below
 // -87.3 (where float32 underflows), -inf included, gives 0.

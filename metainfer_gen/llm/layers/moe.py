@@ -240,7 +240,7 @@ class MoE(nn.Module):
         the graph: decided from shapes, dtypes and the stack's refusal taken when it was built (no call a trace
         would break on)."""
         return self._cpp_refusal is None and x.dtype == self._stacked[0].dtype and \
-            within_pairs_limit(ids.numel(), len(self._stacked[0]), x.dtype)
+            within_pairs_limit(ids.numel(), len(self._stacked[0]), x.dtype, in_graph=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # (T, k) float32, (T, k) int64
