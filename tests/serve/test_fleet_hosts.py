@@ -112,9 +112,9 @@ def test_postgresql_restarted_mid_run_loses_and_repeats_nothing(fleet, store, ap
 
 
 # The Ctrl-C must land mid-batch. Warm fleet workers render these tiny clips at about 10 a second, and under the whole
-# suite's load the render command collected all of them before the test saw two in its manifest. So once two jobs of
-# the batch are done in the store, both hosts are frozen (SIGSTOP) while the command collects them and is interrupted:
-# no job can finish in between.
+# suite's load the render command collected all of them before the test saw two in its manifest. So both hosts are
+# frozen (SIGSTOP) while the command queues the batch, holding no job then, and only host 0 renders until the Ctrl-C:
+# the batch takes one host many seconds, the test only has to see two clips collected. Nothing leased is frozen.
 LINES = 96
 
 
@@ -142,8 +142,8 @@ def test_render_through_the_fleet_interrupted_and_rerun_renders_each_line_once(f
         text = manifest.read_text() if manifest.exists() else ""
         return sum(json.loads(line)["status"] == "ok" for line in text.splitlines() if line.strip())
 
-    def done_in_store() -> int:
-        return sum(j.id.startswith(ID_PREFIX) and j.status.value == "completed" for j in store.list(200))
+    def queued_in_store() -> int:
+        return sum(j.id.startswith(ID_PREFIX) for j in store.list(200))
 
     def within(seconds: float, predicate) -> bool:
         deadline = time.monotonic() + seconds
@@ -151,24 +151,20 @@ def test_render_through_the_fleet_interrupted_and_rerun_renders_each_line_once(f
             time.sleep(0.05)
         return predicate() or first.poll() is not None
 
+    for i in range(2):
+        fleet.pause(i)
     first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     err = ""
     try:
-        for _ in range(40):  # bounded: 40 rounds of at most 4.5 s
-            within(3.0, lambda: done_in_store() >= 2)
-            for i in range(2):
-                fleet.pause(i)
-            interrupted = False
-            try:  # frozen for under a lease (3 s, renewed every 1 s), so no render loses its lease
-                if within(1.5, lambda: ok_lines() >= 2):
-                    first.send_signal(signal.SIGINT)  # Ctrl-C, while no job can finish
-                    interrupted = True
-            finally:
-                for i in range(2):  # before waiting: a frozen worker may hold a row lock the command needs
-                    fleet.resume(i)
-            if interrupted or first.poll() is not None:
-                _, err = first.communicate(timeout=60)
-                break
+        try:
+            assert within(120.0, lambda: queued_in_store() >= LINES), "the batch was not queued in 120 s"
+            fleet.resume(0)
+            if within(120.0, lambda: ok_lines() >= 2):
+                first.send_signal(signal.SIGINT)  # Ctrl-C, while host 1 is frozen and host 0 renders
+        finally:
+            for i in range(2):  # before waiting: a frozen worker may hold a row lock the command needs
+                fleet.resume(i)
+        _, err = first.communicate(timeout=60)
     finally:
         if first.poll() is None:
             first.kill()
