@@ -92,9 +92,11 @@ def add_serve_parser(subparsers) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from metainfer_gen.apps.tp_launch import tensor_parallel_pipeline
+    from metainfer_gen.apps.tp_launch import enable_stack_dumps, tensor_parallel_pipeline
     from metainfer_gen.serve.server import (LLMServer, ServeConfig, bind_socket, pipeline_options,
                                             require_serve_dependencies)
+
+    enable_stack_dumps()
 
     try:
         require_serve_dependencies()

@@ -125,6 +125,15 @@ def tensor_parallel_pipeline(tp: int, path: str | None, **kwargs):
         ranks.stop()
 
 
+def enable_stack_dumps() -> None:
+    """``kill -USR1 PID`` prints every thread's Python stack of this process to stderr (the standard library's
+    faulthandler), so a server or rank that stops answering can be asked where it waits."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def _exit_with_parent(parent: int) -> None:
     """Exit this worker when the rank 0 that started it is gone (no stop message will ever come)."""
     def watch():
@@ -137,6 +146,7 @@ def _exit_with_parent(parent: int) -> None:
 
 def main() -> int:
     """Worker entry: ``python -m metainfer_gen.apps.tp_launch PIPELINE_KWARGS_JSON`` (started by rank 0)."""
+    enable_stack_dumps()
     parent = os.environ.get("METAINFER_TP_PARENT")
     if parent is not None:
         _exit_with_parent(int(parent))

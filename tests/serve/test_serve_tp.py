@@ -58,12 +58,22 @@ def test_serve_tp2_answers_as_tp1_and_stops_every_rank(offline):
             streamed = "".join(c.choices[0].text for c in client.completions.create(
                 model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True))
         assert whole == expected and streamed == expected[0]
+        for pid in (proc.pid, workers[0]):  # kill -USR1: each rank prints its threads' stacks and goes on
+            os.kill(pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 20
+        while "".join(rest).count("(most recent call first)") < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "".join(rest).count("(most recent call first)") >= 2 and "lockstep.py" in "".join(rest), \
+            "".join(rest)[-3000:]
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends rank 0 (the workers are in their own session)
         try:  # about 5 s alone; over 30 s once under the whole suite's load
             code = proc.wait(90)
         except subprocess.TimeoutExpired:
-            tail = "".join(rest)[-3000:]
-            raise AssertionError(f"rank 0 still running 90 s after Ctrl-C; its output:\n{tail}") from None
+            for pid in [proc.pid] + workers:  # every thread's stack of both ranks, into the drained output
+                os.kill(pid, signal.SIGUSR1)
+            time.sleep(3)
+            tail = "".join(rest)[-6000:]
+            raise AssertionError(f"rank 0 still running 90 s after Ctrl-C; its output and stacks:\n{tail}") from None
         assert code in (0, -signal.SIGINT), "".join(rest)[-3000:]
         deadline = time.monotonic() + 30
         while not gone(workers[0]) and time.monotonic() < deadline:
