@@ -126,12 +126,15 @@ def tensor_parallel_pipeline(tp: int, path: str | None, **kwargs):
 
 
 def enable_stack_dumps() -> None:
-    """``kill -USR1 PID`` prints every thread's Python stack of this process to stderr (the standard library's
-    faulthandler), so a server or rank that stops answering can be asked where it waits."""
+    """``kill -USR1 PID`` prints every thread's Python stack of this process to its stderr (the standard
+    library's faulthandler), so a server or rank that stops answering can be asked where it waits. Writes to the
+    process's own stderr (``sys.__stderr__``), which a caller's replacement of ``sys.stderr`` (pytest's capture)
+    does not change; without one (no stderr at all) it does nothing."""
     import faulthandler
     import signal
 
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if sys.__stderr__ is not None and hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
 
 
 def _exit_with_parent(parent: int) -> None:
