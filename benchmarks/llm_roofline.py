@@ -23,6 +23,7 @@ The table groups shapes by kind; the lines under it give:
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections import defaultdict
@@ -52,12 +53,13 @@ def gemm_shape(name: str, shapes: list) -> tuple[int, int, int, int] | None:
         if name == "aten::addmm":
             (m, k), (_, n) = shapes[1], shapes[2]
             return 1, m, k, n
-        if name == "mkldnn::_linear_pointwise":  # (x (.., K), weight (N, K), bias, ...)
-            x, (n, k) = shapes[0], shapes[1]
-            return 1, int(torch.tensor(x[:-1]).prod()), k, n
+        if name == "mkldnn::_linear_pointwise":  # (x (.., K), weight (N, K), bias (N,), ...) or, fused with a
+            binary = len(shapes) > 2 and len(shapes[2]) == 2  # binary op: (x, other (.., N), weight (N, K), ...)
+            x, (n, k) = shapes[0], shapes[2 if binary else 1]
+            return 1, math.prod(x[:-1]), k, n
         if name == "mkl::_mkl_linear":  # (x (.., K), packed weight, original weight (N, K), bias, batch)
             x, (n, k) = shapes[0], shapes[2]
-            return 1, int(torch.tensor(x[:-1]).prod()), k, n
+            return 1, math.prod(x[:-1]), k, n
     except (IndexError, TypeError, ValueError):
         return None
     return None
