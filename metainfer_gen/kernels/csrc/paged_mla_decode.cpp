@@ -63,6 +63,20 @@ inline void score_tile(const at::BFloat16* q, int64_t dk, const at::BFloat16* ro
       for (int t = 0; t < TT; ++t) acc[t][h] = _mm512_dpbf16_ps(acc[t][h], qv, k[t]);
     }
   }
+  if constexpr (NH * TT == 16) {
+    if (d == dk) {  // no tail: the 16 sums at once (reduce16, the order of _mm512_reduce_add_ps: bit-equal)
+      v16f v[16];
+      for (int t = 0; t < TT; ++t)
+        for (int h = 0; h < NH; ++h) v[t * NH + h] = (v16f)acc[t][h];
+      reduce16(v);  // the sum of v[i] in lane 4 (i % 4) + i / 4: back to lane i
+      const __m512i back = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+      const __m512 sums = _mm512_mul_ps(_mm512_permutexvar_ps(back, (__m512)v[0]), _mm512_set1_ps(scale));
+      for (int t = 0; t < TT; ++t)  // lanes t * NH .. t * NH + NH - 1 are token t's heads h0 .. h0 + NH - 1
+        _mm256_storeu_ps(scores + t * heads + h0, t == 0 ? _mm512_castps512_ps256(sums) : _mm256_castpd_ps(
+                                                               _mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1)));
+      return;
+    }
+  }
   for (int t = 0; t < TT; ++t) {
     float tail[NH] = {};
     for (int64_t e = d; e < dk; e += kLanes) {  // a last 16 columns
