@@ -22,14 +22,13 @@ HERE = Path(__file__).resolve().parent
 
 
 def main(argv: list[str] | None = None) -> None:
+    sys.path.insert(0, str(HERE))
+    from serve_models import add_batch_args, random_large_batches
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkout", default=str(HERE.parent), help="the checkout whose metainfer_gen runs "
                         "(default: this one)")
-    parser.add_argument("--workdir", default="/tmp/llm_profile", help="where the random checkpoint is saved")
-    parser.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16 (default bfloat16)")
-    parser.add_argument("--num-prompts", type=int, default=64, help="prompts per batch (default 64)")
-    parser.add_argument("--prompt-lens", default="512,1024", help="prompt lengths lo,hi (default 512,1024)")
-    parser.add_argument("--output-len", type=int, default=4, help="greedy tokens per prompt (default 4)")
+    add_batch_args(parser, prompt_lens="512,1024", output_len=4, dtype="bfloat16")
     parser.add_argument("--batches", type=int, default=3, help="batches in a row (default 3)")
     args = parser.parse_args(argv)
     if argv is None:  # under the host allocator `metainfer-gen serve` runs with (tcmalloc where installed)
@@ -37,27 +36,21 @@ def main(argv: list[str] | None = None) -> None:
         from metainfer_gen import host_allocator
 
         host_allocator.reexec()
-    sys.path.insert(0, str(HERE))
-    from serve_models import random_large_pipeline, random_prompts
-
     sys.path = [p for p in sys.path if Path(p or ".").resolve() != HERE.parent]  # serve_models adds this checkout
     sys.path.insert(0, str(Path(args.checkout).resolve()))
     for name in [m for m in sys.modules if m == "metainfer_gen" or m.startswith("metainfer_gen.")]:
         del sys.modules[name]
     import metainfer_gen
-    from metainfer_gen.llm.sequence import SamplingParams
 
-    pipe, lo, hi = random_large_pipeline(args.workdir, args.num_prompts, args.prompt_lens, args.output_len,
-                                         args.dtype)
-    params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    seconds, tokens = [], 0
-    for seed in range(1, args.batches + 1):
-        prompts = random_prompts(args.num_prompts, 1000, lo, hi, seed)
-        tokens = sum(map(len, prompts))
+    pipe, params, batches = random_large_batches(args, args.batches)
+    seconds = []
+    for prompts in batches:
         start = time.perf_counter()
         pipe.engine.generate(prompts, params)
         seconds.append(time.perf_counter() - start)
-    print(f"{Path(metainfer_gen.__file__).parents[1]} {args.dtype} {args.num_prompts} x {lo}-{hi} tokens, "
+    tokens = sum(map(len, batches[-1]))
+    lengths = args.prompt_lens.replace(",", "-")
+    print(f"{Path(metainfer_gen.__file__).parents[1]} {args.dtype} {args.num_prompts} x {lengths} tokens, "
           f"{args.output_len} out: " + " / ".join(f"{s:.2f}" for s in seconds) + " s per batch; last batch "
           f"{tokens / seconds[-1]:,.0f} input tok/s, {args.num_prompts * args.output_len / seconds[-1]:,.0f} "
           f"output tok/s")

@@ -20,31 +20,22 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_models import random_large_pipeline, random_prompts  # noqa: E402
+from serve_models import add_batch_args, random_large_batches  # noqa: E402
 from table import run_header  # noqa: E402
 
 from metainfer_gen import host_allocator  # noqa: E402
-from metainfer_gen.llm.sequence import SamplingParams  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", default="/tmp/llm_profile", help="where the random checkpoint is saved")
-    parser.add_argument("--num-prompts", type=int, default=64, help="prompts in the batch (default 64)")
-    parser.add_argument("--output-len", type=int, default=32, help="greedy tokens per prompt (default 32)")
+    add_batch_args(parser)
     parser.add_argument("--rows", type=int, default=15, help="ops printed (default 15)")
-    parser.add_argument("--prompt-lens", default="64,512", help="prompt lengths lo,hi in tokens (default 64,512; "
-                        "the prefill-heavy row is 512,1024 with --output-len 4)")
-    parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the engine's default)")
     args = parser.parse_args(argv)
     if argv is None:  # under the host allocator `metainfer-gen serve` runs with (tcmalloc where installed)
         host_allocator.reexec()
     print(run_header())
-    pipe, lo, hi = random_large_pipeline(args.workdir, args.num_prompts, args.prompt_lens, args.output_len,
-                                         args.dtype)
+    pipe, params, batches = random_large_batches(args, 3)
     print(f"dtype {pipe.engine.dtype}")
-    params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    batches = [random_prompts(args.num_prompts, 1000, lo, hi, seed) for seed in (1, 2, 3)]  # no shared prefixes
     pipe.engine.generate(batches[0], params)  # the first batch of a process, kept out of both figures
     start = time.perf_counter()
     pipe.engine.generate(batches[1], params)

@@ -32,11 +32,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_models import random_large_pipeline, random_prompts  # noqa: E402
+from serve_models import add_batch_args, random_large_batches  # noqa: E402
 from table import print_table, run_header  # noqa: E402
 
 from metainfer_gen import host_allocator  # noqa: E402
-from metainfer_gen.llm.sequence import SamplingParams  # noqa: E402
 
 MATMULS = ("aten::mm", "aten::bmm", "aten::addmm", "mkldnn::_linear_pointwise", "mkl::_mkl_linear")
 
@@ -93,11 +92,7 @@ def time_alone(shape: tuple[int, int, int, int], dtype: torch.dtype, min_s: floa
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", default="/tmp/llm_profile", help="where the random checkpoint is saved")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--prompt-lens", default="64,512", help="lo,hi tokens (default 64,512: the C=64 batch)")
-    parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the engine's default)")
+    add_batch_args(parser)
     parser.add_argument("--peer-ratio", type=float, default=None,
                         help="ours / peer on this load from a serve_llm.py run (offline column)")
     parser.add_argument("--target", type=float, default=1.5, help="ratio to size against (default 1.5)")
@@ -106,11 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     if argv is None:
         host_allocator.reexec()
     print(run_header())
-    pipe, lo, hi = random_large_pipeline(args.workdir, args.num_prompts, args.prompt_lens, args.output_len,
-                                         args.dtype)
+    pipe, params, batches = random_large_batches(args, 4)
     dtype = pipe.engine.dtype
-    params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    batches = [random_prompts(args.num_prompts, 1000, lo, hi, seed) for seed in (1, 2, 3, 4)]  # no shared prefixes
     pipe.engine.generate(batches[0], params)
     unprofiled = []
     for batch in batches[1:3]:

@@ -53,6 +53,34 @@ def random_large_pipeline(workdir: str | Path, num_prompts: int, prompt_lens: st
     return pipe, lo, hi
 
 
+def add_batch_args(parser, prompt_lens: str = "64,512", output_len: int = 32, dtype: str | None = None) -> None:
+    """The options of the offline-batch scripts (``llm_profile.py``, ``llm_roofline.py``, ``llm_batches.py``):
+    ``--workdir``, ``--num-prompts``, ``--prompt-lens``, ``--output-len``, ``--dtype`` (None: the engine's
+    default); the defaults are serve_llm.py's C=64 batch."""
+    parser.add_argument("--workdir", default="/tmp/llm_profile", help="where the random checkpoint is saved")
+    parser.add_argument("--num-prompts", type=int, default=64, help="prompts per batch (default 64)")
+    parser.add_argument("--prompt-lens", default=prompt_lens,
+                        help=f"prompt lengths lo,hi in tokens (default {prompt_lens}; the prefill-heavy row is "
+                             f"512,1024 with --output-len 4)")
+    parser.add_argument("--output-len", type=int, default=output_len,
+                        help=f"greedy tokens per prompt (default {output_len})")
+    parser.add_argument("--dtype", default=dtype,
+                        help=f"float32 or bfloat16 (default {dtype or 'the engine default'})")
+
+
+def random_large_batches(args, count: int):
+    """The warmed-up pipeline of :func:`random_large_pipeline` for ``args`` (:func:`add_batch_args`), greedy
+    ``ignore_eos`` sampling of ``args.output_len`` tokens, and ``count`` batches of ``args.num_prompts`` prompts
+    (seeds 1 .. count: no batch shares a prefix with another); returns ``(pipe, params, batches)``."""
+    from metainfer_gen.llm.sequence import SamplingParams
+
+    pipe, lo, hi = random_large_pipeline(args.workdir, args.num_prompts, args.prompt_lens, args.output_len,
+                                         args.dtype)
+    params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    batches = [random_prompts(args.num_prompts, 1000, lo, hi, seed) for seed in range(1, count + 1)]
+    return pipe, params, batches
+
+
 def save_word_tokenizer(out: Path, vocab_size: int) -> None:
     """A WordLevel tokenizer mapping id i to the word ``w<i>`` (whitespace-split), saved in the transformers
     layout both venvs read (tokenizer.json + tokenizer_config.json)."""

@@ -60,11 +60,15 @@ def test_serve_tp2_answers_as_tp1_and_stops_every_rank(offline):
         assert whole == expected and streamed == expected[0]
         for pid in (proc.pid, workers[0]):  # kill -USR1: each rank prints its threads' stacks and goes on
             os.kill(pid, signal.SIGUSR1)
-        deadline = time.monotonic() + 20
-        while "".join(rest).count("(most recent call first)") < 2 and time.monotonic() < deadline:
+
+        def both_dumped(text: str) -> bool:  # both ranks' stacks, the worker's inside its lockstep loop
+            return text.count("(most recent call first)") >= 2 and "lockstep.py" in text
+
+        deadline, dumped = time.monotonic() + 20, ""
+        while not both_dumped(dumped) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert "".join(rest).count("(most recent call first)") >= 2 and "lockstep.py" in "".join(rest), \
-            "".join(rest)[-3000:]
+            dumped = "".join(rest)
+        assert both_dumped(dumped), dumped[-3000:]
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends rank 0 (the workers are in their own session)
         try:  # about 5 s alone; over 30 s once under the whole suite's load
             code = proc.wait(90)
