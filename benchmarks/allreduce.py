@@ -7,8 +7,8 @@ Each rank runs every size with our ``all_reduce`` (the algorithm it chooses, plu
 ``--all-algorithms``) and then with ``torch.distributed.all_reduce`` on gloo, in the same processes. Latency is
 the median over ``--reps`` batches of the mean time per call within a batch (rank 0's clock; the ranks are
 lock-stepped by the collective itself); the contenders' batches alternate, so load from other processes falls on
-each alike, and the load average is printed with the table. Bus bandwidth follows nccl-tests: ``size / time x 2 (n - 1) / n``.
-Results agree with gloo's bitwise before timing (float32, 2 ranks).
+each alike, and the load average is printed with the table. Bus bandwidth follows nccl-tests:
+``size / time x 2 (n - 1) / n``. Results agree with gloo's bitwise before timing (float32, 2 ranks).
 """
 
 from __future__ import annotations

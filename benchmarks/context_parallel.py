@@ -58,7 +58,8 @@ def main() -> None:
     print(f"prefill of {args.tokens} tokens, tiny random {'DeepSeek-V3' if args.model == 'mla' else 'DeepSeek-V3.2'} "
           f"({args.model}), float32, {torch.get_num_threads()} thread(s) per rank, {os.cpu_count()} CPUs, load "
           f"average {load_before[0]:.1f} before and {os.getloadavg()[0]:.1f} after")
-    print("| CP | seconds | prefill tokens/s | vs CP=1 | first prefill s | tokens per rank | greedy tokens equal CP=1 |")
+    print("| CP | seconds | prefill tokens/s | vs CP=1 | first prefill s | tokens per rank | "
+          "greedy tokens equal CP=1 |")
     print("|---|---|---|---|---|---|---|")
     for world, (sec, shards, tokens, first) in rows.items():
         print(f"| {world} | {sec:.2f} | {args.tokens / sec:.0f} | {base / sec:.2f}x | {first:.2f} | {shards} | "

@@ -41,7 +41,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from metainfer_gen.kernels import adaln, channel_norm, conv, kv_cache, norm, rotary, timestep_embed, upsample  # noqa: E402
+from metainfer_gen.kernels import (  # noqa: E402
+    adaln, channel_norm, conv, kv_cache, norm, rotary, timestep_embed, upsample,
+)
 from metainfer_gen.kernels.registry import Op  # noqa: E402
 from table import run_footer, run_header  # noqa: E402  (benchmarks/ is on the path when a script here runs)
 

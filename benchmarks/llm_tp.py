@@ -3,11 +3,11 @@
     OMP_NUM_THREADS=1 python benchmarks/llm_tp.py            # builds the checkpoint, runs TP=1, then torchrun TP=2
     OMP_NUM_THREADS=1 python benchmarks/llm_tp.py --quick    # smaller model and batch
 
-One table, three rows (TP=1; TP=2 with our collectives; TP=2 with every collective sent to gloo): tokens/s (prompt + generated tokens over the wall time of the whole batch), the seconds rank 0 spent
-inside collectives (all-reduce / all-gather calls, timed around each call) and their share, the number of calls,
-the paths the audit recorded, and whether the greedy tokens equal TP=1's. On a 2-core machine shared with other
-work the TP=2 run competes with itself for cores, so expect it to be slower there; the point of the row is the
-collective share and the token equality.
+One table, three rows (TP=1; TP=2 with our collectives; TP=2 with every collective sent to gloo): tokens/s (prompt +
+generated tokens over the wall time of the whole batch), the seconds rank 0 spent inside collectives (all-reduce /
+all-gather calls, timed around each call) and their share, the number of calls, the paths the audit recorded, and
+whether the greedy tokens equal TP=1's. On a 2-core machine shared with other work the TP=2 run competes with itself for
+cores, so expect it to be slower there; the point of the row is the collective share and the token equality.
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ def run(path: str, prompts: list, max_new: int, tp: int, backend_only: bool = Fa
     if tp > 1:
         collectives.shutdown_distributed()
     tokens = sum(len(p) for p in prompts) + sum(len(o.token_ids) for o in outputs)
-    return {"tp": tp, "backend_only": backend_only, "seconds": seconds, "tokens_per_s": tokens / seconds, "collective_s": spent["seconds"],
-            "collective_calls": spent["calls"], "paths": paths, "token_ids": [o.token_ids for o in outputs]}
+    return {"tp": tp, "backend_only": backend_only, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "collective_s": spent["seconds"], "collective_calls": spent["calls"], "paths": paths,
+            "token_ids": [o.token_ids for o in outputs]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,8 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"engine, random DeepSeek-V3 (hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "
           f"{shape['n_routed_experts']} experts), {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
           f"float32, CPU ({os.cpu_count()} cores, load average {load})")
-    print("| TP | collectives | seconds | tokens/s | ratio vs TP=1 | collectives s (share) | collective calls | paths | "
-          "tokens equal TP=1 |")
+    print("| TP | collectives | seconds | tokens/s | ratio vs TP=1 | collectives s (share) | collective calls | "
+          "paths | tokens equal TP=1 |")
     print("|---:|---|---:|---:|---:|---:|---:|---|---|")
     for r in rows:
         share = f"{r['collective_s']:.3f} ({r['collective_s'] / r['seconds']:.0%})" if r["tp"] > 1 else "-"

@@ -3,15 +3,15 @@ CLI (``metainfer-gen render --prompts``) on the same 8 prompts and seeds, step c
 acceleration preset (``--preset`` on both sides, the server at ``--video-workers auto``, the preset's own steps).
 
 Each row renders the 8 clips once, after its model is loaded and warm: the CLI's time is the sum of its
-manifest's per-clip ``seconds`` (render + MP4 write, load and a first warm-up clip excluded); the API's is the wall time from the first
-``POST /v1/videos`` to the last job seen ``completed`` (workers loaded and warmed up by one job first). The API
-overhead per clip is the API's time beyond rendering: (wall - sum of the workers' render seconds / workers) / 8, in
-ms and as a share of a clip's render time (the render seconds are measured inside the workers, claim to clip on
-disk, so the figure holds however loaded the machine is; the "vs CLI" column compares against the CLI's run, which
-a shared machine moves more). Served clips are compared with the CLI's clip of the same prompt and seed, decoded
-(max absolute difference in uint8 levels). Both sides run under the host allocator ``metainfer-gen`` runs under
-(:func:`metainfer_gen.host_allocator.reexec`: the CLI re-executes itself, this script the same way, so the
-in-process server's spawned workers get it as ``metainfer-gen serve``'s do).
+manifest's per-clip ``seconds`` (render + MP4 write, load and a first warm-up clip excluded); the API's is the wall time
+from the first ``POST /v1/videos`` to the last job seen ``completed`` (workers loaded and warmed up by one job first).
+The API overhead per clip is the API's time beyond rendering: (wall - sum of the workers' render seconds / workers) / 8,
+in ms and as a share of a clip's render time (the render seconds are measured inside the workers, claim to clip on disk,
+so the figure holds however loaded the machine is; the "vs CLI" column compares against the CLI's run, which a shared
+machine moves more). Served clips are compared with the CLI's clip of the same prompt and seed, decoded (max absolute
+difference in uint8 levels). Both sides run under the host allocator ``metainfer-gen`` runs under
+(:func:`metainfer_gen.host_allocator.reexec`: the CLI re-executes itself, this script the same way, so the in-process
+server's spawned workers get it as ``metainfer-gen serve``'s do).
 
     python benchmarks/serve_video.py | tee benchmarks/results/serve_video.txt
 """
@@ -154,8 +154,8 @@ def main(argv: list[str] | None = None) -> None:
                 overhead = (wall - render / workers) / len(PROMPTS)
                 one = wall if one is None else one
                 rows.append([f"API, {workers} worker{'s' if workers > 1 else ''} x {threads} thread"
-                             f"{'s' if threads > 1 else ''}{' (auto)' if preset else ''}", label, f"{wall:.2f}", f"{8 * 3600 / wall:,.0f}",
-                             f"{cli_s / wall:.2f}x", f"{one / wall:.2f}x",
+                             f"{'s' if threads > 1 else ''}{' (auto)' if preset else ''}", label, f"{wall:.2f}",
+                             f"{8 * 3600 / wall:,.0f}", f"{cli_s / wall:.2f}x", f"{one / wall:.2f}x",
                              f"{overhead * 1000:.0f} ({overhead / (render / len(PROMPTS)) * 100:.1f}%)", str(diff)])
                 print(f"# {label}, {workers} workers: {wall:.2f} s, {render / len(PROMPTS):.3f} s/clip rendering in "
                       f"the workers", flush=True)

@@ -1,7 +1,8 @@
 """Step cache at few steps: where does reuse stop keeping the clip? (sets ``StepCacheConfig.min_inference_steps``)
 
     OMP_NUM_THREADS=1 python benchmarks/step_cache_few_steps.py    # 81 frames, T2V + I2V, 8 prompts, 4..20 steps
-    OMP_NUM_THREADS=1 python benchmarks/step_cache_few_steps.py --step-lora metainfer_gen/assets/loras/steps_4_8.safetensors \
+    OMP_NUM_THREADS=1 python benchmarks/step_cache_few_steps.py \
+        --step-lora metainfer_gen/assets/loras/steps_4_8.safetensors \
         --frames 17 --tasks t2v   # the step LoRA at 4, 6, 8 unguided steps: auto as shipped and with its guard off
     python benchmarks/step_cache_few_steps.py --steps 4,8 --num-prompts 1 --frames 17 --tasks t2v   # smoke run
 

@@ -116,7 +116,8 @@ def triton_ops() -> list[str]:
 
 def _config(meta: dict) -> str:
     keys = [k for k in meta if k.startswith("BLOCK")] + ["num_warps", "num_stages"]
-    short = lambda k: k.removeprefix("BLOCK_").lower().replace("num_warps", "warps").replace("num_stages", "stages")  # noqa: E731
+    short = lambda k: (  # noqa: E731
+        k.removeprefix("BLOCK_").lower().replace("num_warps", "warps").replace("num_stages", "stages"))
     soft = " soft-e4m3" if meta.get("SOFT_FP8") else ""  # fp8 decoded/encoded in software (fp8_codec)
     return " ".join(f"{short(k)}={meta[k]}" for k in keys if k in meta) + soft
 
@@ -172,15 +173,18 @@ def main(argv: list[str] | None = None) -> int:
             for launch in launches:
                 configs[(case.op, case.shapes, arch)] = _config(launch.meta)
                 rows.append((case, compile_launch(launch, arch)))
-    header = [f"# python {' '.join(shlex.quote(a) for a in (sys.argv if argv is None else ['benchmarks/triton_aot.py', *argv]))}",
-              f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, triton {triton.__version__}, "
-              f"torch {torch.__version__}; compiled on a CPU-only machine (no GPU), ptxas -v on the PTX",
-              "# moe_experts has no Triton implementation (grouped torch matmuls): nothing to compile",
-              "# soft-e4m3: below sm_89 (no e4m3 conversion, no fp8 MMA) the fp8 kernels take uint8 codes and",
-              "#   decode/encode in software (metainfer_gen/kernels/fp8_codec.py); the GEMM then takes fp16 dots",
-              "# warps/SM: resident warps that registers (65536/SM, 256-register units per warp) and shared memory",
-              "#   (164 KB sm_80, 100 KB sm_86/sm_89/sm_120, 228 KB sm_90, 1 KB reserved per block) allow, within",
-              "#   the warp (64 sm_80/sm_90, 48 sm_86/sm_89/sm_120) and block (32; 24 sm_89, 16 sm_86) limits"]
+    header = [
+        f"# python "
+        f"{' '.join(shlex.quote(a) for a in (sys.argv if argv is None else ['benchmarks/triton_aot.py', *argv]))}",
+        f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, triton {triton.__version__}, "
+        f"torch {torch.__version__}; compiled on a CPU-only machine (no GPU), ptxas -v on the PTX",
+        "# moe_experts has no Triton implementation (grouped torch matmuls): nothing to compile",
+        "# soft-e4m3: below sm_89 (no e4m3 conversion, no fp8 MMA) the fp8 kernels take uint8 codes and",
+        "#   decode/encode in software (metainfer_gen/kernels/fp8_codec.py); the GEMM then takes fp16 dots",
+        "# warps/SM: resident warps that registers (65536/SM, 256-register units per warp) and shared memory",
+        "#   (164 KB sm_80, 100 KB sm_86/sm_89/sm_120, 228 KB sm_90, 1 KB reserved per block) allow, within",
+        "#   the warp (64 sm_80/sm_90, 48 sm_86/sm_89/sm_120) and block (32; 24 sm_89, 16 sm_86) limits",
+    ]
     if missing:
         header.append(f"# NOT COVERED: {', '.join(missing)}")
     spilled = sorted({f"{case.op} ({case.shapes}) sm_{r.arch}" for case, r in rows if r.spilled})

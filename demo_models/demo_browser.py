@@ -1,4 +1,4 @@
-"""Drive ``metainfer-gen demo`` in headless Chromium: what the browser tests use, and what made the README's screenshots.
+"""Drive ``metainfer-gen demo`` in headless Chromium: what the browser tests use and the README's screenshots.
 
     python -m demo_models.demo_browser --out docs     # embedded models: docs/demo_{t2v,i2v,llm}.png
 

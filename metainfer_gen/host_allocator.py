@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 from typing import Mapping
 
-__all__ = ["ALLOCATOR_ENV", "GLIBC_TUNING", "allocator_env", "current_allocator", "find_tcmalloc", "reexec", "without_ours"]
+__all__ = ["ALLOCATOR_ENV", "GLIBC_TUNING", "allocator_env", "current_allocator", "find_tcmalloc", "reexec",
+           "without_ours"]
 
 ALLOCATOR_ENV = "METAINFER_HOST_ALLOCATOR"
 CHOICES = ("auto", "tcmalloc", "glibc-tuned", "system")

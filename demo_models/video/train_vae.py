@@ -4,8 +4,8 @@ Run (resumable; rerun the same command after a stop)::
 
     OMP_NUM_THREADS=2 python -m demo_models.video.train_vae --work-dir build/demo_model/vae
 
-Schedule: single frames first, then 9-frame clips, both on random 32x32 crops (4x cheaper; the VAE is
-convolutional), then full 64x64 clips. Loss: mask-weighted MSE (+0.1 L1) in pixel space (the shape's pixels weigh 4x, so small saturated
+Schedule: single frames first, then 9-frame clips, both on random 32x32 crops (4x cheaper; the VAE is convolutional),
+then full 64x64 clips. Loss: mask-weighted MSE (+0.1 L1) in pixel space (the shape's pixels weigh 4x, so small saturated
 objects keep their colour) plus a small KL term (Kingma & Welling 2014) that keeps the latent well scaled.
 """
 

@@ -22,7 +22,8 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="the LLM's weights and activations (default bfloat16 where the hardware has it natively: a "
-                        "GPU, a CPU with AMX-BF16 or AVX512-BF16; float32 elsewhere; `metainfer-gen doctor` says which)")
+                        "GPU, a CPU with AMX-BF16 or AVX512-BF16; float32 elsewhere; `metainfer-gen doctor` "
+                        "says which)")
     add_llm_engine_arguments(p)
     add_tp_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")

@@ -74,7 +74,8 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None,
                    help="the LLM's weights and activations (default bfloat16 where the hardware has it natively: a "
-                        "GPU, a CPU with AMX-BF16 or AVX512-BF16; float32 elsewhere; `metainfer-gen doctor` says which)")
+                        "GPU, a CPU with AMX-BF16 or AVX512-BF16; float32 elsewhere; `metainfer-gen doctor` "
+                        "says which)")
     p.add_argument("--max-queued-requests", type=non_negative_int, default=None,
                    help="LLM requests that may wait behind the --max-num-seqs running ones; more get 429 with "
                         "Retry-After (default: unbounded)")

@@ -8,8 +8,9 @@
     collectives.shutdown_distributed()                             # also registered with atexit
 
 Rank layout: ``world = dp x cfg x cp x tp`` with the TP index varying fastest (ranks 0..tp-1 form the first TP group),
-then context parallelism (one clip's tokens), as in Megatron-LM and vLLM's ``initialize_model_parallel``. Every group with more than one rank whose ranks share a
-host gets a :class:`~metainfer_gen.collectives.communicator.ShmCommunicator`; the others keep the reason why not,
+then context parallelism (one clip's tokens), as in Megatron-LM and vLLM's ``initialize_model_parallel``. Every group
+with more than one rank whose ranks share a host gets a
+:class:`~metainfer_gen.collectives.communicator.ShmCommunicator`; the others keep the reason why not,
 and their collectives go to the backend with that reason in the audit.
 """
 
@@ -208,7 +209,8 @@ def init_distributed(tensor_parallel_size: int = 1, cfg_parallel_size: int = 1, 
 
 
 def _layout(world: int, tp: int, cfg: int, cp: int = 1) -> dict[str, list[list[int]]]:
-    """Member lists of every TP, CP, CFG and DP group (rank = ((dp_idx * cfg + cfg_idx) * cp + cp_idx) * tp + tp_idx)."""
+    """Member lists of every TP, CP, CFG and DP group
+    (rank = ((dp_idx * cfg + cfg_idx) * cp + cp_idx) * tp + tp_idx)."""
     sizes = {"dp": world // (tp * cfg * cp), "cfg": cfg, "cp": cp, "tp": tp}
     axes = list(sizes)  # slowest first
     ids = list(itertools.product(*(range(n) for n in sizes.values())))

@@ -9,9 +9,10 @@ segments whose creator pid is gone.
 
 A :class:`ShmChannel` lays out one 64-byte header line per rank (sequence counter, message size, dtype and op
 codes, pid) plus an abort word, and implements the only synchronisation the algorithms need: post my sequence
-number, wait until every peer has posted it. Waits spin briefly, yield briefly, then sleep on a futex that the poster wakes, and never last longer than
-``timeout_s``; a dead peer (pid gone or zombie) or an abort posted by any rank makes the wait raise at once, and a
-rank that times out posts the abort so that its peers raise too instead of each waiting out its own timeout.
+number, wait until every peer has posted it. Waits spin briefly, yield briefly, then sleep on a futex that the poster
+wakes, and never last longer than ``timeout_s``; a dead peer (pid gone or zombie) or an abort posted by any rank makes
+the wait raise at once, and a rank that times out posts the abort so that its peers raise too instead of each waiting
+out its own timeout.
 
 Memory ordering: the header words are aligned 8-byte stores and loads through numpy, which x86-64 (TSO) keeps in
 program order relative to the data copies before them. Weakly ordered CPUs (ARM) would need explicit fences; the
@@ -224,8 +225,9 @@ class ShmChannel:
         """Block until every peer has posted ``seq`` (default: this rank's latest), or raise.
 
         Spins for about :data:`SPIN_S` seconds, yields the core until :data:`YIELD_S`, then sleeps on the peer's
-        counter word (a futex, woken by :meth:`post`) in slices of at most :data:`SLICE_S`, checking the abort flag, the peers' liveness and the
-        deadline between slices. Sleeping instead of spinning matters when ranks share cores with other work.
+        counter word (a futex, woken by :meth:`post`) in slices of at most :data:`SLICE_S`, checking the abort flag, the
+        peers' liveness and the deadline between slices. Sleeping instead of spinning matters when ranks share cores
+        with other work.
 
         Raises:
             CollectiveTimeout: a peer did not post within ``timeout_s`` seconds, or its process is gone.

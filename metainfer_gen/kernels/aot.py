@@ -105,7 +105,8 @@ def _ptxas() -> list[str]:
     import triton
 
     folder = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    return [os.path.join(folder, name) for name in ("ptxas", "ptxas-blackwell") if os.path.exists(os.path.join(folder, name))]
+    return [os.path.join(folder, name) for name in ("ptxas", "ptxas-blackwell")
+            if os.path.exists(os.path.join(folder, name))]
 
 
 def ptxas_usage(ptx: str) -> tuple[int, int, int]:

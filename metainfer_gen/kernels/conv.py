@@ -100,7 +100,8 @@ def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not isinstance(x, torch.Tensor) or x.ndim != 5:
         raise ValueError(f"x must be (N, C, D, H, W); got shape {tuple(getattr(x, 'shape', ()))}")
     if not isinstance(weight, torch.Tensor) or weight.ndim != 5:
-        raise ValueError(f"weight must be (C_out, C_in / groups, kD, kH, kW); got {tuple(getattr(weight, 'shape', ()))}")
+        raise ValueError(f"weight must be (C_out, C_in / groups, kD, kH, kW); got "
+                         f"{tuple(getattr(weight, 'shape', ()))}")
     triples = {"stride": stride, "padding": padding, "dilation": dilation}
     for name, value in triples.items():
         if len(tuple(value)) != 3:

@@ -42,8 +42,8 @@ def cache_dir() -> Path:
 
 
 def build_key(name: str) -> str:
-    """16 hex digits naming one build of ``csrc/<name>.cpp``: its text and the headers beside it, the compiler flags, torch's and Python's
-    versions and the CPU's flags. Raises FileNotFoundError if the source is missing."""
+    """16 hex digits naming one build of ``csrc/<name>.cpp``: its text and the headers beside it, the compiler flags,
+    torch's and Python's versions and the CPU's flags. Raises FileNotFoundError if the source is missing."""
     import torch
 
     digest = hashlib.sha256((SOURCES / f"{name}.cpp").read_bytes())

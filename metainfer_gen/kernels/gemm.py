@@ -137,7 +137,8 @@ def matmul_path(device, dtype) -> tuple[str, str | None]:
     caps = capabilities()
     if str(device).startswith("cuda"):
         return ("CUDA tensor cores" if dtype in (torch.bfloat16, torch.float16) else "CUDA fp32 (tf32 off)"), (
-            None if dtype != torch.float32 else "float32 on a GPU: bfloat16 runs on its tensor cores (--dtype bfloat16)")
+            None if dtype != torch.float32
+            else "float32 on a GPU: bfloat16 runs on its tensor cores (--dtype bfloat16)")
     vector = "AVX-512 fp32" if caps.cpu_capability.startswith("AVX512") else f"{caps.cpu_capability or 'scalar'} fp32"
     matrix = {"amx_bf16": "oneDNN AMX-BF16", "avx512_bf16": "oneDNN AVX512-BF16"}.get(caps.cpu_matrix)
     if dtype == torch.bfloat16:

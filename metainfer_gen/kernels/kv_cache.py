@@ -12,8 +12,8 @@ lengths, also without a loop. Slot ``-1`` marks a padding token that is not stor
 The Triton store copies raw 32-bit words, so one compiled kernel serves bf16, fp16, fp32 and fp8 caches
 bit-exactly (Triton cannot even name fp8e4nv below sm89, but it can move its bytes). It therefore needs each
 token's (H, D) row to be a whole number of words and 4-byte aligned, and the key already in the cache dtype;
-otherwise the torch reference (a dtype cast, then an ``index_copy_`` of the bytes) runs. The reference is already a single
-memory pass on the CPU, so there is no compiled path for this op.
+otherwise the torch reference (a dtype cast, then an ``index_copy_`` of the bytes) runs. The reference is already a
+single memory pass on the CPU, so there is no compiled path for this op.
 
 Sources: nano-vllm ``engine/block_manager.py`` and ``layers/attention.py`` (``store_kvcache`` Triton kernel, slot
 mapping built in ``model_runner.prepare_prefill``), vLLM ``reshape_and_cache_flash`` (slot -1 = skip).

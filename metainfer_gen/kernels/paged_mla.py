@@ -6,11 +6,11 @@ value is ``c_kv`` itself (the caller applies W_UV). Sequences of a batch have di
 
 - ``cpp`` (the CPU path): the same walk in C++, every block read in place through the table; see
   :mod:`metainfer_gen.kernels.paged_mla_cpu`.
-- ``torch-blocks`` (the CPU fallback where the C++ kernel is off or does not apply) walks the context a group of blocks at a time with an online softmax
-  (FlashAttention's running max and sum, Dao et al. 2022; flash-decoding's split of the keys): per group it gathers
-  only the rows of the sequences still inside their context (sorted by length, so no sequence is padded to the
-  longest by more than one group), so memory per step is ``batch x group`` rows, not ``batch x context``. A batch
-  whose longest context fits one group runs one masked softmax.
+- ``torch-blocks`` (the CPU fallback where the C++ kernel is off or does not apply) walks the context a group of blocks
+  at a time with an online softmax (FlashAttention's running max and sum, Dao et al. 2022; flash-decoding's split of the
+  keys): per group it gathers only the rows of the sequences still inside their context (sorted by length, so no
+  sequence is padded to the longest by more than one group), so memory per step is ``batch x group`` rows, not
+  ``batch x context``. A batch whose longest context fits one group runs one masked softmax.
 - ``triton`` (GPU): one program per (sequence, 16 heads, split of the context), each walking its split's blocks in
   place and writing a partial output with its log-sum-exp, merged by log-sum-exp (flash-decoding). See
   :mod:`metainfer_gen.kernels.paged_mla_triton`.

@@ -14,10 +14,10 @@ one batch size the same shapes, so the whole model forward can be compiled once 
 
 The graph for a size is built by the engine's warm-up (:meth:`LLMEngine.warmup`, which the server, the demo and
 ``warmup=True`` run), for every ladder size; an engine that was not warmed up runs its decode steps eager, so no
-request ever waits for a compile. The block table is passed at its full width; the attention op trims it to the longest context, so the
-table width is not a graph dimension. Freezing keeps a packed copy of every dense weight beside the original (the
-prefill path still reads the originals): about 1x the attention, shared-expert and dense-MLP weights more memory
-(the routed experts are not copied). A weight changed after the compile is not seen by the graph: build a new
+request ever waits for a compile. The block table is passed at its full width; the attention op trims it to the longest
+context, so the table width is not a graph dimension. Freezing keeps a packed copy of every dense weight beside the
+original (the prefill path still reads the originals): about 1x the attention, shared-expert and dense-MLP weights more
+memory (the routed experts are not copied). A weight changed after the compile is not seen by the graph: build a new
 engine.
 
 Where it applies: :func:`compiled_decode_refusal` (audit op ``decode_step``, site ``llm.decode``).

@@ -220,7 +220,8 @@ def _reasons(best: dict, options: list[dict], base: dict, target: int, conc: int
     goal = (f"holds {target} tokens x {conc}" if feasible else
             f"longest context at concurrency {conc}" + (f" ({target} x {conc} fits no layout)" if target else ""))
     prefill = (f"TP={tp} x CP={cp}: {goal}; a rank keeps 1/{cp} of the prompt's KV while prefilling, moves "
-               f"{kb:.1f} KB/token ({best['prefill_comm_us']:.2f} us) against {cp1['prefill_comm_bytes']['total'] / 1e3:.1f}"
+               f"{kb:.1f} KB/token ({best['prefill_comm_us']:.2f} us) against "
+               f"{cp1['prefill_comm_bytes']['total'] / 1e3:.1f}"
                f" KB at CP=1, weights {best['weights_gib']:.1f} GiB/rank (attention heads over {tp} ranks)")
     decode = (f"TP={best['decode']['tp']} with KV sharded over {dcp} rank(s): capacity {best['capacity_tokens']} "
               f"token rows/rank covers {dcp}x that many tokens of context, {best['decode_comm_us']:.2f} us/token "

@@ -10,8 +10,8 @@ own blocks, and a block is shared only once committed, which no later step write
 The groups are found by bisection (a failing group splits in halves; one of ``ONE_BY_ONE`` sequences or fewer runs
 them one at a time): fewer than ``2n`` extra forwards for n sequences, about ``2k log2(n)`` for k bad rows. If
 every sequence fails on its own, the failure is nobody's request (a broken model, a dead device): the step's first
-exception is raised, as before recovery existed. A step of one sequence
-has nothing to tell apart: that sequence ends alone, so the requests queued behind it go on. Sampling that fails for a row is already isolated by the runner
+exception is raised, as before recovery existed. A step of one sequence has nothing to tell apart: that sequence ends
+alone, so the requests queued behind it go on. Sampling that fails for a row is already isolated by the runner
 (``ModelRunner.last_errors``); this module catches what escapes it: the model's forward and the LM head. Seeded and
 greedy rows draw the same tokens as in the whole batch; unseeded random rows share one generator, whose order changes.
 """

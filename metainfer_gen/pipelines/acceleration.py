@@ -66,8 +66,8 @@ class AccelerationMixin:
 
         Args:
             preset: ``"quality"`` (step cache ``quality``, float32), ``"balanced"`` (the cache ``quality=0.6``,
-                the VAE in bf16 where its check passes) or ``"fastest"`` (``fast``, VAE and transformer in bf16 where their
-                checks pass, and the model's step LoRA fused, rendering at its steps and guidance unless a call
+                the VAE in bf16 where its check passes) or ``"fastest"`` (``fast``, VAE and transformer in bf16 where
+                their checks pass, and the model's step LoRA fused, rendering at its steps and guidance unless a call
                 gives its own); see :mod:`metainfer_gen.video.presets`.
             step_lora: the step LoRA for ``fastest`` (file or ``{"file", "num_inference_steps",
                 "guidance_scale"}``); default: the model's (``step_lora_config``).

@@ -20,8 +20,8 @@ _GUARD = threading.Lock()
 
 
 def call_lock(owner: object) -> threading.RLock:
-    """The re-entrant lock serialising calls on ``owner`` (a video transformer, a diffusers pipeline or an LLM engine), made on first use
-    and dropped with it."""
+    """The re-entrant lock serialising calls on ``owner`` (a video transformer, a diffusers pipeline or an LLM engine),
+    made on first use and dropped with it."""
     with _GUARD:
         lock = _LOCKS.get(owner)
         if lock is None:

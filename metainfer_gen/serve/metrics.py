@@ -8,9 +8,9 @@ Each server gets its own ``CollectorRegistry`` (two servers in one process never
 |---|---|---|
 | ``vllm:num_requests_running`` | gauge | sequences the scheduler runs (hold KV blocks) |
 | ``vllm:num_requests_waiting`` | gauge | sequences queued (no KV blocks yet, or preempted) |
-| ``vllm:kv_cache_usage_perc`` | gauge | fraction of KV blocks in use, 0-1 (free blocks that keep a cached prefix count as free) |
-| ``vllm:prefix_cache_queries_total`` / ``..._hits_total`` | counter | prompt tokens looked up / found in the prefix cache (whole blocks) |
-| ``vllm:prompt_tokens_total`` / ``vllm:generation_tokens_total`` | counter | prompt tokens admitted / tokens generated |
+| ``vllm:kv_cache_usage_perc`` | gauge | KV blocks in use, 0-1 (free ones holding a cached prefix count as free) |
+| ``vllm:prefix_cache_queries_total`` / ``..._hits_total`` | counter | prompt tokens looked up / found (whole blocks) |
+| ``vllm:prompt_tokens_total`` / ``vllm:generation_tokens_total`` | counter | prompt tokens admitted / generated |
 | ``vllm:num_preemptions_total`` | counter | recompute preemptions |
 | ``vllm:request_success_total`` | counter | finished requests by ``finished_reason`` (stop, length, abort, error) |
 | ``vllm:time_to_first_token_seconds`` | histogram | arrival at the engine to the first token |

@@ -19,9 +19,10 @@ GEMM rows round differently, so the clip is equal to the unbatched one within GE
 
 Our step cache inside sees one call per step with both branches in its batch (the second call's cache context), so
 both branches are computed or reused together. The public baseline caches (diffusers', cache-dit's) keep a state
-per call of the pair, so a call with one of them runs its two calls as before (the record says why). Every pair is checked: the two calls must share the latents' shape
-and the timestep, or the call raises instead of mixing steps; arguments that differ in any other way than a
-tensor of the batch's leading size run the two calls one by one (``num_unpaired``).
+per call of the pair, so a call with one of them runs its two calls as before (the record says why). Every pair is
+checked: the two calls must share the latents' shape and the timestep, or the call raises instead of mixing steps;
+arguments that differ in any other way than a tensor of the batch's leading size run the two calls one by one
+(``num_unpaired``).
 """
 
 from __future__ import annotations

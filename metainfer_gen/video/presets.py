@@ -5,15 +5,16 @@ a fixed order and, for each, either turns it on or records why not (the model la
 native bf16, a quality check failed, it does not pay here). This module is the bookkeeping half: plain Python, no
 device work, so it is tested on its own.
 
-| preset | step cache | bf16 | step LoRA | for |
+| preset | step cache | bf16 | step LoRA (the model's) | for |
 |---|---|---|---|---|
 | ``quality`` | ``quality`` | none | no | clips closest to the uncached float32 ones |
 | ``balanced`` | ``quality=0.6`` | the VAE, where its check passes | no | speed at 30+ dB from plain diffusers |
-| ``fastest`` | ``fast`` | VAE and transformer, each where its check passes (and, on the CPU, the transformer where it pays) | the model's, fused | clips per hour |
+| ``fastest`` | ``fast`` | VAE, transformer: each where its check passes (and pays, on a CPU) | fused | clips/hour |
 
 Every preset also turns on the lossless helpers (the fused kernels, the condition-embedder memo, the prompt-
-embedding cache, both CFG branches in one batch) and regional compilation of the transformer blocks where it pays (a GPU; on the CPU it is refused
-with the measurement). The features stay usable one by one (``enable_step_cache``, ``enable_fused_kernels``...).
+embedding cache, both CFG branches in one batch) and regional compilation of the transformer blocks where it pays (a
+GPU; on the CPU it is refused with the measurement). The features stay usable one by one (``enable_step_cache``,
+``enable_fused_kernels``...).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# the order they are applied in (weights first, hooks outermost last)
 FEATURES = ("step_lora", "bf16_transformer", "bf16_vae", "fused_kernels", "compile_blocks", "embed_memo",
-            "prompt_cache", "cfg_batch", "step_cache")  # the order they are applied in (weights first, hooks outermost last)
+            "prompt_cache", "cfg_batch", "step_cache")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""``--quantization``, ``--kv-cache-dtype`` and ``--enforce-eager`` on ``generate`` and ``serve``: parsed once, reach the engine."""
+"""``--quantization``, ``--kv-cache-dtype`` and ``--enforce-eager`` on ``generate`` and ``serve``:
+parsed once, reach the engine."""
 
 from __future__ import annotations
 

@@ -58,7 +58,8 @@ def test_completion_emitting_cjk_and_emoji_never_splits_a_character(tokenizer):
     output = tokenizer("你好世界🙂👍🏽", add_special_tokens=False)["input_ids"]
     deltas, _ = run(tokenizer, prompt, output)
     assert "".join(deltas) == "你好世界🙂👍🏽"
-    assert [d for d in deltas if d] == list("你好世界🙂👍🏽") and len(output) > 10  # whole characters, one each
+    # whole characters, one each
+    assert [d for d in deltas if d] == list("你好世界🙂👍🏽") and len(output) > 10
 
 
 @pytest.mark.parametrize("stop", ["END", "\n\n###", ["zzz", "\n\n###"], "世界"])

@@ -86,7 +86,8 @@ def test_prefix_cache_cold_equals_warm(hf_checkpoint, length_offset):
     block = 8
     engine = LLMEngine.from_pretrained(path, EngineConfig(block_size=block))
     for num_blocks in (1, 3):
-        prompt = random_prompts(1, model.config.vocab_size, (num_blocks * block + length_offset,), seed=7 + num_blocks)[0]
+        prompt = random_prompts(1, model.config.vocab_size, (num_blocks * block + length_offset,),
+                                seed=7 + num_blocks)[0]
         params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
         cold, warm = engine.generate([prompt], params)[0], engine.generate([prompt], params)[0]
         assert cold.token_ids == warm.token_ids == hf_greedy(model, prompt, 12)

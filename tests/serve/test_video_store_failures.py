@@ -1,8 +1,9 @@
 """The job store failing under a live server (LLM and ``/v1/videos`` on one free loopback port, API-only: no
 worker renders, so the queue holds still): a store locked by another process holds up the video calls only,
-never ``/health`` or an LLM request, and past the busy timeout a write is a 503 that wrote nothing; rows the code cannot read never break ``GET /v1/videos``; a full queue
-(``--max-queued-videos``) answers 429 with ``Retry-After``; a job that took its server down ``max_attempts`` times
-fails at the next start instead of looping; a corrupt store file stops start-up, naming the file and the way out."""
+never ``/health`` or an LLM request, and past the busy timeout a write is a 503 that wrote nothing; rows the code cannot
+read never break ``GET /v1/videos``; a full queue (``--max-queued-videos``) answers 429 with ``Retry-After``; a job that
+took its server down ``max_attempts`` times fails at the next start instead of looping; a corrupt store file stops
+start-up, naming the file and the way out."""
 
 from __future__ import annotations
 

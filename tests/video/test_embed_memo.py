@@ -23,7 +23,8 @@ HAS_CACHE_DIT = importlib.util.find_spec("cache_dit") is not None
 
 def _hooked(model) -> list[str]:
     """Names of the modules of ``model`` that carry any diffusers hook."""
-    return [name for name, m in model.named_modules() if getattr(m, "_diffusers_hook", None) and m._diffusers_hook.hooks]
+    return [name for name, m in model.named_modules()
+            if getattr(m, "_diffusers_hook", None) and m._diffusers_hook.hooks]
 
 
 @contextmanager

@@ -4,10 +4,11 @@ Parameters as transformers' ``DeepseekV32Indexer`` names them: ``wq_b`` (q_lora_
 normalised q LoRA residual), ``wk`` (hidden -> D) followed by the LayerNorm ``k_norm``, and ``weights_proj``
 (hidden -> H, kept in float32). The first ``qk_rope_head_dim`` values of each query and key are rotated with
 half-split (non-interleaved) rope in DeepSeek-V3.2, unlike MLA's interleaved rope, and with interleaved rope in
-GLM-5 (transformers ``GlmMoeDsaIndexer``; the family table says which, ``models/families.py``). The reference implementation's Hadamard
-rotation (which leaves the dot products unchanged) and its fp8 scoring (a speed for precision trade, measured in
-``benchmarks/sparse_mla.py``) are not applied, as in transformers. Scoring and top-k: :func:`metainfer_gen.kernels.indexer_topk`, which reads the keys in the
-cache's dtype (bf16 in a bf16 run, e4m3 in an fp8 KV cache) and accumulates the scores in float32.
+GLM-5 (transformers ``GlmMoeDsaIndexer``; the family table says which, ``models/families.py``). The reference
+implementation's Hadamard rotation (which leaves the dot products unchanged) and its fp8 scoring (a speed for precision
+trade, measured in ``benchmarks/sparse_mla.py``) are not applied, as in transformers. Scoring and top-k:
+:func:`metainfer_gen.kernels.indexer_topk`, which reads the keys in the cache's dtype (bf16 in a bf16 run, e4m3 in an
+fp8 KV cache) and accumulates the scores in float32.
 
 The key of every token is stored in the layer's cache row beside the latent (see
 :class:`~metainfer_gen.llm.layers.sparse_mla.SparseMLAttention`), so it shares the block table, prefix cache and
