@@ -90,7 +90,8 @@ def _add_doctor_parser(subparsers) -> None:
     p.add_argument("--device", default=None, help="device of the example inputs: cpu, cuda (default: cuda if "
                                                    "available)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="dtype of the example inputs (default bfloat16 on CUDA, float32 on CPU)")
+                   help="dtype of the example inputs (default: the LLM engine's run dtype here, bfloat16 "
+                        "where the hardware multiplies it natively, else float32)")
     p.add_argument("--model", default=None,
                    help="a checkpoint directory or config .json: also print the attention path the LLM engine "
                         "runs for it and what it refuses, with why (reads the config only; default: none)")

@@ -49,8 +49,9 @@ def collect(device: str | None = None, dtype: str | None = None, model: str | No
 
     Args:
         device: where the example inputs live ("cpu", "cuda"); default CUDA when present, else CPU.
-        dtype: "float32", "bfloat16" or "float16" of the example inputs; default bfloat16 on a GPU, float32 on a
-            CPU (the LLM engine's own dtype is reported beside: ``report["llm"]``).
+        dtype: "float32", "bfloat16" or "float16" of the example inputs; default the LLM engine's run dtype on
+            ``device`` (:func:`metainfer_gen.platform.native_dtype`: bfloat16 on a GPU and on a CPU with AMX-BF16
+            or AVX512-BF16, else float32), so the kernel paths listed are the ones a default run takes.
         model: a checkpoint directory or config .json whose attention path and refusals ``report["llm"]
             ["checkpoint"]`` gives (:func:`checkpoint_report`); None: none.
     Raises:
@@ -63,12 +64,12 @@ def collect(device: str | None = None, dtype: str | None = None, model: str | No
 
     caps = platform.capabilities()
     device = device or ("cuda" if caps.has_gpu else "cpu")
-    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    if dtype not in ("float32", "bfloat16", "float16"):
+    if dtype not in (None, "float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16; got {dtype!r}")
     checkpoint = None if model is None else checkpoint_report(model)  # a bad path fails before any probing
     triton = platform.triton_status()
     llm_dtype = platform.native_dtype(device)
+    dtype = dtype or str(llm_dtype).removeprefix("torch.")
     from metainfer_gen.llm.fp8 import fp8_weights_stay
 
     fp8_stay, fp8_reason = fp8_weights_stay(device, llm_dtype)

@@ -18,7 +18,7 @@ OPS = ("rms_norm", "fused_add_rms_norm", "rope", "adaln_modulate", "gated_residu
        "moe_experts", "conv3d", "channel_rms_norm", "upsample_nearest", "timestep_embedding", "linear",
        "block_attention")
 # Ops whose fastest implementation runs on a CPU-only machine too: plain torch or oneDNN (built into the CPU wheel),
-# and C++ kernels built with the machine's C++ compiler (doctor's example inputs are float32).
+# and C++ kernels built with the machine's C++ compiler (doctor's example inputs follow the suite's float32 pin).
 TORCH_FASTEST = ("conv3d", "channel_rms_norm", "upsample_nearest", "timestep_embedding")
 CPP_FASTEST = ("moe_experts", "block_attention")
 
@@ -159,7 +159,7 @@ def test_the_llm_section_names_the_matmul_path_and_the_fp32_fast_path_not_taken(
     amx = platform.Capabilities(device_kind=platform.DeviceKind.CPU, bf16=True, cpu_matrix="amx_bf16",
                                 cpu_capability="AVX512", cxx_compiler="/usr/bin/g++")
     with platform.override_capabilities(amx):
-        report = doctor.collect(dtype="bfloat16")
+        report = doctor.collect()  # the example inputs default to the engine's run dtype: bf16 here
         out = io.StringIO()
         doctor.render(report, out)
     text = out.getvalue()
@@ -172,7 +172,7 @@ def test_the_llm_section_names_the_matmul_path_and_the_fp32_fast_path_not_taken(
     plain = platform.Capabilities(device_kind=platform.DeviceKind.CPU, cpu_capability="AVX2")
     with platform.override_capabilities(plain):
         report = doctor.collect()
-    assert report["llm"]["default_dtype"] == "float32"
+    assert report["llm"]["default_dtype"] == "float32" and report["example"]["dtype"] == "float32"
     assert report["llm"]["matmul"]["float32"] == {"path": "AVX2 fp32", "refused": None}
     assert "emulated" in report["llm"]["matmul"]["bfloat16"]["path"]
     assert report["llm"]["decode_step"]["path"] == "eager" and "g++" in report["llm"]["decode_step"]["reason"]
