@@ -10,8 +10,10 @@ decode in ``slow_conv3d``; ``torch.mkldnn_convolution`` computes the same convol
 ``benchmarks/kernel_table.py --ops conv3d``) and the whole decode 2.3x (one thread) to 2.7x (two) faster, equal to
 float32 rounding (max abs difference 3.6e-6 on the decoded clip in [-1, 1]).
 
-Implementations, fastest first: ``onednn`` (``torch.mkldnn_convolution``; CPU float32, oneDNN built in and
-enabled, no autograd) and ``torch`` (``torch.nn.functional.conv3d``, the reference; on CUDA cuDNN already serves it).
+Implementations, fastest first: ``onednn`` (``torch.mkldnn_convolution``; CPU float32, and bfloat16 / float16
+where this CPU has oneDNN's kernels for them, which is the call PyTorch itself makes for those dtypes: bit-equal to
+``F.conv3d`` in bf16 on an AVX512-BF16 CPU; oneDNN built in and enabled, no autograd) and ``torch``
+(``torch.nn.functional.conv3d``, the reference; on CUDA cuDNN already serves it).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from metainfer_gen.kernels.common import first_refusal
 from metainfer_gen.kernels.registry import Op, register_op
 
-__all__ = ["conv3d", "conv3d_onednn", "conv3d_reference"]
+__all__ = ["conv3d", "conv3d_onednn", "conv3d_reference", "onednn_supports_dtype"]
 
 Triple = tuple[int, int, int]
 
@@ -40,6 +42,15 @@ def conv3d_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                                     list(dilation), groups)
 
 
+def onednn_supports_dtype(dtype: torch.dtype) -> bool:
+    """Whether this CPU runs oneDNN's convolution in ``dtype`` (PyTorch's own checks for bf16 and fp16)."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return dtype == torch.float32
+
+
 def _onednn_supports(x, weight, bias, stride, padding, dilation, groups) -> str | None:
     def device_refusal():
         if x.device.type != "cpu" or weight.device.type != "cpu":
@@ -47,9 +58,11 @@ def _onednn_supports(x, weight, bias, stride, padding, dilation, groups) -> str 
         return None
 
     def dtype_refusal():
-        if x.dtype != torch.float32 or weight.dtype != torch.float32:
-            return (f"dtype {x.dtype}/{weight.dtype}: only float32 falls into PyTorch's slow path (bfloat16 and "
-                    f"float16 already go to oneDNN)")
+        if x.dtype != weight.dtype or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"dtype {x.dtype}/{weight.dtype}: oneDNN convolves float32, bfloat16 or float16, one dtype"
+        if not onednn_supports_dtype(x.dtype):
+            need = "avx512bw (AVX512-BF16, AMX)" if x.dtype == torch.bfloat16 else "avx_ne_convert or avx512_fp16"
+            return f"{x.dtype} on a CPU without {need}: oneDNN has no such kernel here (PyTorch's slow path runs)"
         return None
 
     def library_refusal():
@@ -76,7 +89,8 @@ def _example(device: str, dtype: torch.dtype):
 
 CONV3D = register_op(Op("conv3d", "3-D convolution (video VAE causal convs)", _example))
 CONV3D.register("onednn", conv3d_onednn, _onednn_supports, devices=("cpu",),
-                description="torch.mkldnn_convolution where PyTorch's 2-D size rule picks slow_conv3d")
+                description="torch.mkldnn_convolution: float32, where PyTorch's 2-D size rule picks slow_conv3d, "
+                            "and bf16 / fp16 where this CPU has oneDNN's kernels")
 CONV3D.register("torch", conv3d_reference, description="torch.nn.functional.conv3d")
 
 

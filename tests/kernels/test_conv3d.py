@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from metainfer_gen.kernels import audit
+from metainfer_gen.kernels import audit, conv
 from metainfer_gen.video.fuse import FuseKernelsConfig, fuse_kernels, unfuse_kernels
 from metainfer_gen.kernels.conv import CONV3D, conv3d, conv3d_reference
 from tests.kernels.conftest import assert_close
@@ -42,8 +42,27 @@ def test_the_video_vae_shape_is_one_pytorch_sends_to_its_slow_path():
     assert "Slow3d" in str(backend), f"PyTorch now picks {backend}: the onednn path may be unneeded"
 
 
+@onednn
+def test_bf16_takes_the_onednn_call_pytorch_makes_bit_for_bit():
+    if not conv.onednn_supports_dtype(torch.bfloat16):
+        pytest.skip("this CPU has no oneDNN bf16 convolution")
+    (x, weight, bias, stride, padding, dilation, groups), _ = CONV3D.example("cpu", torch.bfloat16)
+    with audit() as report:
+        got = conv3d(x, weight, bias, stride, padding, dilation, groups, site="test")
+    assert report.paths() == {"conv3d": {"onednn": 1}}
+    assert torch.equal(got, conv3d_reference(x, weight, bias, stride, padding, dilation, groups))
+
+
+def test_a_cpu_without_onednn_bf16_or_fp16_is_refused_with_what_it_lacks(monkeypatch):
+    monkeypatch.setattr(conv, "onednn_supports_dtype", lambda dtype: dtype == torch.float32)
+    for dtype, lacks in ((torch.bfloat16, "avx512bw"), (torch.float16, "avx512_fp16")):
+        x, weight = torch.randn(1, 2, 3, 5, 5, dtype=dtype), torch.randn(2, 2, 3, 3, 3, dtype=dtype)
+        impl, refusals = CONV3D.select(x, weight, None, (1, 1, 1), (0, 0, 0), (1, 1, 1), 1)
+        assert impl.name == "torch" and refusals[0].implementation == "onednn" and lacks in refusals[0].reason
+
+
 @pytest.mark.parametrize("dtype, needs_grad, reason", [
-    (torch.bfloat16, False, "only float32"),
+    (torch.float64, False, "oneDNN convolves float32, bfloat16 or float16"),
     (torch.float32, True, "autograd"),
 ])
 def test_refusals_say_why(dtype, needs_grad, reason):
@@ -51,7 +70,8 @@ def test_refusals_say_why(dtype, needs_grad, reason):
     weight = torch.randn(2, 2, 3, 3, 3, dtype=dtype)
     _, refusals = CONV3D.select(x, weight, None, (1, 1, 1), (0, 0, 0), (1, 1, 1), 1)
     assert refusals and refusals[0].implementation == "onednn" and reason in refusals[0].reason
-    assert_close(conv3d(x, weight), conv3d_reference(x, weight, None, (1, 1, 1), (0, 0, 0), (1, 1, 1), 1))
+    expected = conv3d_reference(x, weight, None, (1, 1, 1), (0, 0, 0), (1, 1, 1), 1)
+    assert_close(conv3d(x, weight), expected, torch.float32)  # the torch path in x's dtype (float64 too)
 
 
 def test_bad_shapes_raise_before_any_work():
