@@ -43,10 +43,11 @@ def test_the_video_vae_shape_is_one_pytorch_sends_to_its_slow_path():
 
 
 @onednn
-def test_bf16_takes_the_onednn_call_pytorch_makes_bit_for_bit():
-    if not conv.onednn_supports_dtype(torch.bfloat16):
-        pytest.skip("this CPU has no oneDNN bf16 convolution")
-    (x, weight, bias, stride, padding, dilation, groups), _ = CONV3D.example("cpu", torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_dtypes_take_the_onednn_call_pytorch_makes_bit_for_bit(dtype):
+    if not conv.onednn_supports_dtype(dtype):
+        pytest.skip(f"this CPU has no oneDNN {dtype} convolution (the refusal test covers it)")
+    (x, weight, bias, stride, padding, dilation, groups), _ = CONV3D.example("cpu", dtype)
     with audit() as report:
         got = conv3d(x, weight, bias, stride, padding, dilation, groups, site="test")
     assert report.paths() == {"conv3d": {"onednn": 1}}
