@@ -61,11 +61,13 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 def linear_bucketed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` with x's rows padded to :func:`bucket_rows`; x (M, K) or (..., K) -> (..., N)."""
+    if torch.compiler.is_compiling():  # a compiled graph has its own GEMM per shape (and no guard on the rows)
+        return F.linear(x, weight, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
     rows = bucket_rows(m)
-    if rows == m or m == 0 or torch.compiler.is_compiling():  # a compiled graph has its own GEMM per shape
+    if rows == m or m == 0:
         return F.linear(x, weight, bias)
     return F.linear(_pad_rows(x2, rows), weight, bias)[:m].view(*lead, weight.shape[0])
 
@@ -73,9 +75,11 @@ def linear_bucketed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def bucketed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.bmm(a, b)`` for a (B, M, K), b (B, K, N) with M padded to :func:`bucket_rows` on a CPU in bf16/fp16
     (the same per-shape kernel builds as :func:`linear_bucketed`); plain ``bmm`` elsewhere."""
+    if torch.compiler.is_compiling() or a.device.type != "cpu" or a.dtype == torch.float32:
+        return torch.bmm(a, b)
     m = a.shape[1]
     rows = bucket_rows(m)
-    if a.device.type != "cpu" or a.dtype == torch.float32 or rows == m or m == 0 or torch.compiler.is_compiling():
+    if rows == m or m == 0:
         return torch.bmm(a, b)
     return torch.bmm(_pad_rows(a, rows), b)[:, :m]
 

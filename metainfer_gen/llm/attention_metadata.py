@@ -37,6 +37,9 @@ class AttentionMetadata:
         block_size: tokens per cache block.
         seq_ids: per sequence, its ``Sequence.seq_id`` (empty for steps without sequences behind them: memory
             profiling, warm-up); models with per-sequence state outside the pool key it by these (DeepSeek-V4).
+        deferred: the stand-in metadata a compiled prefill graph traces with (``llm/compiled_prefill.py``): only
+            ``positions`` and ``slot_mapping`` are the step's; attention and the routed experts run as opaque ops
+            that read the step's own metadata from :func:`~metainfer_gen.llm.graph_ops.step_context`.
     """
 
     positions: torch.Tensor
@@ -53,6 +56,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor
     block_size: int
     seq_ids: tuple[int, ...] = ()
+    deferred: bool = False
 
     @property
     def num_tokens(self) -> int:

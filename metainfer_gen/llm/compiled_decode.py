@@ -64,33 +64,37 @@ def compiled_decode_refusal(model, device: torch.device, tensor_parallel_size: i
 
 
 def choose_decode_path(model, config, device: torch.device) -> str | None:
-    """The engine's decode step, audited: "compiled" where :func:`compiled_decode_refusal` allows and nothing turns
-    it off (``enforce_eager``, ``static_decode=False``, ``METAINFER_ENFORCE_EAGER``), else "eager"; None on a GPU
-    (its static path is CUDA graphs, ``EngineConfig.static_decode``)."""
+    """The engine's compiled steps, audited: "compiled" where :func:`compiled_decode_refusal` allows and nothing turns
+    them off (``enforce_eager``, ``static_decode=False``, ``METAINFER_ENFORCE_EAGER``), else "eager"; None on a GPU
+    (its static path is CUDA graphs, ``EngineConfig.static_decode``). The decode steps (one graph per batch size)
+    and the prefill steps (:mod:`metainfer_gen.llm.compiled_prefill`) are compiled or not together: audit ops
+    ``decode_step`` (site ``llm.decode``) and ``prefill_step`` (site ``llm.prefill``)."""
     if device.type != "cpu":
         return None
     enabled = not (config.enforce_eager or config.static_decode is False or enforce_eager_env())
-    return record_decode_path(compiled_decode_refusal(model, device, config.tensor_parallel_size), enabled)
+    refusal = compiled_decode_refusal(model, device, config.tensor_parallel_size)
+    record_step_path("prefill_step", "llm.prefill", refusal, enabled)
+    return record_step_path("decode_step", _SITE, refusal, enabled)
 
 
 def enforce_eager_env() -> bool:
-    """``METAINFER_ENFORCE_EAGER`` set to 1/true/yes/on: no compiled decode steps, whatever the engine config says
+    """``METAINFER_ENFORCE_EAGER`` set to 1/true/yes/on: no compiled steps, whatever the engine config says
     (the test suite sets it: compiling each tiny engine's steps would cost more than the tests)."""
     return os.environ.get(ENFORCE_EAGER_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def record_decode_path(refusal: str | None, enabled: bool) -> str:
-    """Audit which decode step runs (op ``decode_step``, site ``llm.decode``); returns the path's name."""
+def record_step_path(op: str, site: str, refusal: str | None, enabled: bool) -> str:
+    """Audit which step runs (``op`` at ``site``: ``decode_step`` / ``prefill_step``); returns the path's name."""
     if enabled and refusal is None:
-        record("decode_step", _SITE, "compiled", ())
+        record(op, site, "compiled", ())
         return "compiled"
     reason = refusal if enabled else (f"enforce_eager (or static_decode=False, or {ENFORCE_EAGER_ENV}=1): "
-                                      f"compiled decode steps turned off")
-    record("decode_step", _SITE, "eager", (Refusal("compiled", reason),))
+                                      f"compiled steps turned off")
+    record(op, site, "eager", (Refusal("compiled", reason),))
     return "eager"
 
 
-def _own_code(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def own_code(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """A bound method whose function has a fresh copy of the code object (same behaviour, its own dynamo cache)."""
     func = method.__func__
     clone = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
@@ -98,7 +102,22 @@ def _own_code(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
     return types.MethodType(clone, method.__self__)
 
 
-class CompiledDecode:
+class BuildWindow:
+    """Graphs are compiled only inside :meth:`building` (the engine's warm-up opens it), never under a request."""
+
+    _building = False
+
+    @contextlib.contextmanager
+    def building(self):
+        """Within this block a step without a graph compiles one (the warm-up runs every shape it plans in it)."""
+        self._building = True
+        try:
+            yield
+        finally:
+            self._building = False
+
+
+class CompiledDecode(BuildWindow):
     """One ``torch.compile``'d decode forward per batch size.
 
     Args:
@@ -115,10 +134,9 @@ class CompiledDecode:
         # No guards on the model's modules (checking them cost about 1.5 ms a step, and they do not change under a
         # running engine); the step's tensors' sizes pick the graph. Dynamo keeps its graphs per code object, so this
         # engine's forward gets a code object of its own: another engine's graphs (other weights) never match it.
-        self._graph = torch.compile(_own_code(forward), dynamic=False,
+        self._graph = torch.compile(own_code(forward), dynamic=False,
                                     options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self._sizes: set[int] = set()
-        self._building = False
 
     @property
     def sizes(self) -> list[int]:
@@ -136,14 +154,6 @@ class CompiledDecode:
                                                                    f"server and the demo warm up)"),))
         return False
 
-    @contextlib.contextmanager
-    def building(self):
-        """Within this block steps of a size without a graph compile one (the warm-up runs every size in it)."""
-        self._building = True
-        try:
-            yield
-        finally:
-            self._building = False
 
     def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
         size = tensors[0].shape[0]

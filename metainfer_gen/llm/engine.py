@@ -79,8 +79,8 @@ class LLMEngine:
                                   device=self.device, seed=config.seed, static_decode=static,
                                   cuda_graphs=static and self.device.type == "cuda" and not config.enforce_eager
                                   and config.tensor_parallel_size == 1, compiled_decode=compiled,
-                                  max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-                                  eos_token_ids=eos_token_ids)
+                                  compiled_prefill=compiled, max_num_seqs=config.max_num_seqs,
+                                  max_model_len=max_model_len, eos_token_ids=eos_token_ids)
         self._requests: dict[str, Sequence] = {}
         self.compile_guard = contextlib.nullcontext  # every step runs in it: no_new_compiles once warmed up
         self.warmup_report = None  # what warmup() ran, once it has

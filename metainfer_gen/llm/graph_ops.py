@@ -1,4 +1,4 @@
-"""The engine's data-dependent steps as opaque ops, so a compiled decode step stays one graph around them.
+"""The engine's data-dependent steps as opaque ops, so a compiled step stays one graph around them.
 
 A decode step compiled with ``torch.compile`` (:mod:`metainfer_gen.llm.compiled_decode`) traces the model's dense
 math (norms, projections, rotary, routing, the absorbed-MLA GEMMs) into one Inductor graph. Three steps do not
@@ -10,9 +10,17 @@ dispatch and audit, exactly as in an eager step.
 
 The paged-cache write is traced (an ``index_put_`` into the cache; the padding rows of a compiled step write a sink
 slot). Outside a compile every function here calls the kernel directly (no custom-op dispatch cost).
+
+A compiled prefill step (:mod:`metainfer_gen.llm.compiled_prefill`) has a symbolic token count and per-sequence
+host lists (query lengths, starts, slots) no graph may freeze, so its whole attention (with its cache write) is one
+opaque op, ``metainfer::mla_store_attend``, that reads the step's ``AttentionMetadata`` from :func:`step_context`
+(vLLM's forward context does the same for its attention op), and its routed experts always take the opaque op.
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import torch
 
@@ -73,3 +81,61 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: 
     if torch.compiler.is_compiling():
         return torch.ops.metainfer.moe_experts(x, weights, ids, w13, w2, first_expert, site)
     return kernels.moe_experts(x, weights, ids, w13, w2, first_expert, site=site)
+
+
+_step = threading.local()  # the metadata and attention layers of the step a compiled prefill graph is running
+
+
+@contextlib.contextmanager
+def step_context(meta, layers: dict[int, torch.nn.Module]):
+    """Within this block (this thread), :func:`mla_store_attend` writes and attends with ``meta`` (the step's
+    :class:`~metainfer_gen.llm.attention_metadata.AttentionMetadata`) through ``layers[layer_idx]``."""
+    previous = getattr(_step, "value", None)
+    _step.value = (meta, layers)
+    try:
+        yield
+    finally:
+        _step.value = previous
+
+
+def current_step():
+    """``(meta, layers)`` of the enclosing :func:`step_context`.
+
+    Raises:
+        RuntimeError: outside a step context (a compiled prefill graph called without one).
+    """
+    value = getattr(_step, "value", None)
+    if value is None:
+        raise RuntimeError("no step context: a compiled prefill graph runs inside graph_ops.step_context(meta, "
+                           "layers)")
+    return value
+
+
+def _store_attend(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
+                  layer_idx: int) -> torch.Tensor:
+    meta, layers = current_step()
+    layer = layers[layer_idx]
+    store_latent(latent, kv_cache, meta.slot_mapping, layer.site)
+    return layer.attend_dense(q_nope, q_pe, kv_cache.view(-1, kv_cache.shape[-1]), meta)
+
+
+@torch.library.custom_op("metainfer::mla_store_attend", mutates_args=("kv_cache",))
+def _mla_store_attend(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
+                      layer_idx: int, out_features: int) -> torch.Tensor:
+    return _store_attend(q_nope, q_pe, latent, kv_cache, layer_idx).contiguous()
+
+
+@_mla_store_attend.register_fake
+def _(q_nope, q_pe, latent, kv_cache, layer_idx, out_features):
+    return q_nope.new_empty(q_nope.shape[0], out_features)
+
+
+def mla_store_attend(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
+                     layer_idx: int, out_features: int) -> torch.Tensor:
+    """Layer ``layer_idx``'s cache write and MLA over the step of :func:`step_context` (its decode rows absorbed,
+    its prefill rows expanded or absorbed, each as in an eager step), one opaque op under a compile (it writes
+    ``kv_cache``, so the graph orders it after every earlier read and before every later one): q_nope (T, N, dn),
+    q_pe (T, N, dr), latent (T, 1, r + dr) -> (T, out_features = N * dv) in q's dtype."""
+    if torch.compiler.is_compiling():
+        return torch.ops.metainfer.mla_store_attend(q_nope, q_pe, latent, kv_cache, layer_idx, out_features)
+    return _store_attend(q_nope, q_pe, latent, kv_cache, layer_idx)

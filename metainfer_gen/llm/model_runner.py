@@ -46,6 +46,8 @@ class ModelRunner:
         static_decode: run decode-only steps of up to ``max_num_seqs`` sequences on static buffers (needs
             ``max_num_seqs`` and ``max_model_len``); ``cuda_graphs`` replays them as CUDA graphs,
             ``compiled_decode`` runs them as one compiled graph per batch size (CPU).
+        compiled_prefill: run every other step of two or more tokens as one compiled graph with a dynamic token
+            count (CPU, :mod:`metainfer_gen.llm.compiled_prefill`; built by the warm-up).
         eos_token_ids: the tokens ``min_tokens`` keeps from being sampled early (with each request's stop tokens).
     After each :meth:`run`, ``last_logprobs`` maps ``seq_id`` to the :class:`TokenLogprobs` of the rows that asked,
     and ``last_errors`` ``seq_id`` to why that row got no token.
@@ -53,7 +55,8 @@ class ModelRunner:
 
     def __init__(self, model, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
                  seed: int = 0, static_decode: bool = False, cuda_graphs: bool = False, compiled_decode: bool = False,
-                 max_num_seqs: int = 1, max_model_len: int = 1, eos_token_ids: tuple[int, ...] = ()):
+                 compiled_prefill: bool = False, max_num_seqs: int = 1, max_model_len: int = 1,
+                 eos_token_ids: tuple[int, ...] = ()):
         self.model = model
         self.eos_token_ids = tuple(eos_token_ids)
         self.last_logprobs: dict = {}
@@ -73,6 +76,11 @@ class ModelRunner:
             self.static = StaticDecode(model, self.kv_caches, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                        block_size=block_size, use_cuda_graphs=cuda_graphs,
                                        compiled=compiled_decode, sink_slot=num_blocks * block_size if sink else None)
+        self.compiled_prefill = None
+        if compiled_prefill:
+            from metainfer_gen.llm.compiled_prefill import CompiledPrefill
+
+            self.compiled_prefill = CompiledPrefill(model, self.kv_caches)
 
     def generator_for(self, seq) -> torch.Generator:
         if seq.params.seed is None:
@@ -104,7 +112,10 @@ class ModelRunner:
         if self.static is not None and self.static.can_run(out):
             return self.model.compute_logits(self.static.run(out)), list(range(len(out.scheduled)))
         input_ids, meta = self.build_inputs(out)
-        hidden = self.model(input_ids, meta, self.kv_caches)
+        if self.compiled_prefill is not None and input_ids.shape[0] > 1:
+            hidden = self.compiled_prefill(input_ids, meta)
+        else:
+            hidden = self.model(input_ids, meta, self.kv_caches)
         offsets = meta.query_offsets
         rows = [i for i, item in enumerate(out.scheduled) if item.sample]
         if not rows:

@@ -8,7 +8,8 @@ query RoPE on (2048, 8, 64), both at a full 2,048-token step (``max_num_batched_
 64-prompt batch meets some seconds in. The warm-up runs
 
 - one full-budget prefill step (``max_num_batched_tokens`` tokens, split into prompts the context allows), the one
-  large size that recurs (every chunked-prefill step of a busy engine);
+  large size that recurs (every chunked-prefill step of a busy engine), which also builds the compiled prefill
+  step's graph on a CPU (``llm/compiled_prefill.py``: one graph for every token count);
 - every row bucket of every dense GEMM (:func:`metainfer_gen.kernels.gemm.warm_linear_buckets`: oneDNN builds a
   bf16 kernel per shape, about 1 ms each, and the buckets bound the shapes);
 - decode steps over a ladder of batch sizes up to ``max_num_seqs`` (1, 2, 4, ..., ``max_num_seqs``), which also
@@ -74,7 +75,9 @@ def warm_up(engine) -> WarmupReport:
     if engine.has_unfinished_requests:
         raise RuntimeError("warm up before adding requests: the engine has unfinished requests")
     compiled = getattr(engine.runner.static, "compiled", None)  # the compiled decode step builds its graphs here
-    with compiled.building() if compiled is not None else contextlib.nullcontext():
+    prefill = getattr(engine.runner, "compiled_prefill", None)  # and the compiled prefill step its one graph
+    with compiled.building() if compiled is not None else contextlib.nullcontext(), \
+            prefill.building() if prefill is not None else contextlib.nullcontext():
         return _warm_up(engine)
 
 

@@ -89,8 +89,11 @@ class MLAttention(nn.Module):
         """x (T, hidden); cos/sin (T, dr/2) float32 tables at each token's position; kv_cache
         (num_blocks, block_size, 1, r + dr). Writes the new tokens' latents, returns (T, hidden)."""
         q_nope, q_pe, latent, _ = self._project(x, cos, sin)
+        if meta.deferred:  # a compiled prefill step: one opaque op over the step's own metadata
+            return self.o_proj(graph_ops.mla_store_attend(q_nope, q_pe, latent, kv_cache, self.layer_idx,
+                                                          self.num_heads * self.v_head_dim))
         self._store(latent, kv_cache, meta)
-        return self.o_proj(self._attend_dense(q_nope, q_pe, kv_cache.view(-1, self.cache_row_size), meta))
+        return self.o_proj(self.attend_dense(q_nope, q_pe, kv_cache.view(-1, self.cache_row_size), meta))
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """(q_nope (T, N, dn), rotated q_pe (T, N, dr), latent row (T, 1, r + dr), q LoRA residual or None)."""
@@ -109,11 +112,12 @@ class MLAttention(nn.Module):
     def _store(self, row: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         graph_ops.store_latent(row, kv_cache, meta.slot_mapping, self.site)
 
-    def _attend_dense(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache_rows: torch.Tensor,
-                      meta: AttentionMetadata) -> torch.Tensor:
-        """Every query over its whole causal context, a group of cache blocks at a time: decode rows absorbed in
-        one batch (:func:`metainfer_gen.kernels.paged_mla_decode`), prefill rows one by one in the cheaper form
-        (:func:`~metainfer_gen.llm.layers.mla_prefill.prefill_attention`);
+    def attend_dense(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache_rows: torch.Tensor,
+                     meta: AttentionMetadata) -> torch.Tensor:
+        """Every query over its whole causal context (eager; a compiled prefill step calls it from an opaque op,
+        :func:`~metainfer_gen.llm.graph_ops.mla_store_attend`), a group of cache blocks at a time: decode rows
+        absorbed in one batch (:func:`metainfer_gen.kernels.paged_mla_decode`), prefill rows one by one in the cheaper
+        form (:func:`~metainfer_gen.llm.layers.mla_prefill.prefill_attention`);
         cache_rows (num_slots, row) -> (T, N * dv)."""
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_head_dim)
         if meta.decode_rows:

@@ -24,7 +24,8 @@ instead: the sorted path reads the per-expert counts on the host, which a graph 
 step (``llm/compiled_decode.py``) calls the routed experts as an opaque op where the C++ kernel applies (float32 on
 the CPU: each active expert read once, :mod:`metainfer_gen.kernels.moe_cpu`); elsewhere it traces
 :func:`moe_experts_folded` (every expert, two GEMMs in the graph) where E_local <= ``DENSE_IN_GRAPH_MAX_RATIO`` x
-top-k, and calls the sorted path as an opaque op otherwise. On 2 Zen 3 cores the folded GEMMs of a 16-token decode
+top-k, and calls the sorted path as an opaque op otherwise (always in a compiled prefill step, whose token count is
+symbolic). On 2 Zen 3 cores the folded GEMMs of a 16-token decode
 step took 2.2 ms a layer (16 experts of width 192, all multiplied for every token), the C++ kernel 0.44 ms.
 """
 
@@ -242,12 +243,14 @@ class MoE(nn.Module):
         return self._cpp_refusal is None and x.dtype == self._stacked[0].dtype and \
             within_pairs_limit(ids.numel(), len(self._stacked[0]), x.dtype, in_graph=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, opaque: bool = False) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden); ``opaque``: a traced step calls the stacked experts as the opaque op whatever
+        its size (a compiled prefill graph, whose token count is symbolic: no choice may read it)."""
         weights, ids = self.gate(x)  # (T, k) float32, (T, k) int64
         compiling = torch.compiler.is_compiling()
         stacked = self._stacked if compiling else self._stacked_weights()
-        if stacked is not None and compiling and len(stacked[1]) <= DENSE_IN_GRAPH_MAX_RATIO * self.gate.top_k \
-                and not self._cpp_in_graph(x, ids):
+        if stacked is not None and compiling and not opaque \
+                and len(stacked[1]) <= DENSE_IN_GRAPH_MAX_RATIO * self.gate.top_k and not self._cpp_in_graph(x, ids):
             # traced from the parameters, which a frozen graph holds as constants (the stack is a plain attribute)
             out = moe_experts_folded(x, weights, ids, *self._stack_parameters(), self.first_expert)
         elif stacked is not None and _capturing(x):

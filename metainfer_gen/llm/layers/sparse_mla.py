@@ -90,7 +90,7 @@ class SparseMLAttention(MLAttention):
         self._store(latent, kv_cache, meta)
         rows = kv_cache.view(-1, self.cache_row_size)
         if not self.sparse:
-            return self.o_proj(self._attend_dense(q_nope, q_pe, rows, meta))
+            return self.o_proj(self.attend_dense(q_nope, q_pe, rows, meta))
         self._audit_page_size(kv_cache.shape[1])
         selected = self._select(x, q_resid, cos, sin, rows, meta, carry)
         query = self._absorb_query(q_nope, q_pe)  # (T, N, r + dr)

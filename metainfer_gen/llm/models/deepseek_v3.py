@@ -74,7 +74,8 @@ class DecoderLayer(nn.Module):
         h = self.input_layernorm(x)
         x = x + (self.self_attn(h, cos, sin, meta, kv_cache, carry) if self.sparse
                  else self.self_attn(h, cos, sin, meta, kv_cache))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, opaque=True) if meta.deferred and isinstance(self.mlp, MoE) else self.mlp(h))
 
 
 class DeepseekV3Model(nn.Module):
