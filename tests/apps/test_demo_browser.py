@@ -64,8 +64,8 @@ def generate_clip(driver, prefix: str, num_frames: int) -> dict:
 
 def test_text_to_video_in_the_browser(page, tmp_path):
     page.find_element(By.ID, "t2v-generate").click()  # empty prompt: refused with a message, no clip
-    toast = wait_until(lambda: [t.text for t in page.find_elements(By.CSS_SELECTOR, "[data-testid=toast-body]")
-                                if "prompt is empty" in t.text], 60, "the empty-prompt message")
+    toast = wait_until(lambda: [text for text in (t.text for t in page.find_elements(  # read once: a toast fades
+        By.CSS_SELECTOR, "[data-testid=toast-body]")) if "prompt is empty" in text], 60, "the empty-prompt message")
     assert "type what the clip should show" in toast[0]
     assert not page.find_elements(By.CSS_SELECTOR, "#t2v-video video")
 
