@@ -35,6 +35,7 @@ import torch
 from metainfer_gen.kernels.audit_log import Refusal, record
 
 _SITE = "llm.decode"
+PREFILL_SITE = "llm.prefill"  # the compiled prefill step's audit site (llm/compiled_prefill.py)
 ENFORCE_EAGER_ENV = "METAINFER_ENFORCE_EAGER"
 # Inductor config while a decode graph compiles (``torch.compile(options=...)`` does not reach freezing). Not
 # ``max_autotune``: its C++ AMX GEMM template ran a one-row GEMM in 7 us against oneDNN's 75 us, but autotuning
@@ -73,7 +74,7 @@ def choose_decode_path(model, config, device: torch.device) -> str | None:
         return None
     enabled = not (config.enforce_eager or config.static_decode is False or enforce_eager_env())
     refusal = compiled_decode_refusal(model, device, config.tensor_parallel_size)
-    record_step_path("prefill_step", "llm.prefill", refusal, enabled)
+    record_step_path("prefill_step", PREFILL_SITE, refusal, enabled)
     return record_step_path("decode_step", _SITE, refusal, enabled)
 
 

@@ -36,9 +36,7 @@ import torch
 from metainfer_gen.kernels.audit_log import Refusal, record
 from metainfer_gen.llm import graph_ops
 from metainfer_gen.llm.attention_metadata import AttentionMetadata
-from metainfer_gen.llm.compiled_decode import COMPILE_CONFIG, BuildWindow, own_code
-
-_SITE = "llm.prefill"
+from metainfer_gen.llm.compiled_decode import COMPILE_CONFIG, PREFILL_SITE as _SITE, BuildWindow, own_code
 
 
 class CompiledPrefill(BuildWindow):
@@ -57,9 +55,9 @@ class CompiledPrefill(BuildWindow):
         self.kv_caches = kv_caches
         self.layers = {m.layer_idx: m for m in model.modules() if isinstance(m, MLAttention)}
         forward = own_code(self._forward)  # this engine's own dynamo cache (another engine has other weights)
-        self._forward_code = forward
         self._graph = torch.compile(forward, options={
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        self._run_cached = torch._dynamo.run(forward)  # the same code's cached graphs only, never a compile
         self.built = False  # the graph is compiled (by the warm-up's first prefill step, in building())
         self._ran_eager = False
         self.num_compiled_steps = 0  # steps the graph ran (for tests and logs)
@@ -77,7 +75,7 @@ class CompiledPrefill(BuildWindow):
         self._ran_eager = False
         with graph_ops.step_context(meta, self.layers):
             if self.built:
-                hidden = torch._dynamo.run(self._forward_code)(*tensors)  # cached graph only, never a compile
+                hidden = self._run_cached(*tensors)
             else:
                 import torch._inductor.config as inductor_config
 
